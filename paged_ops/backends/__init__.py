@@ -1,0 +1,136 @@
+"""Backend registry, availability and "auto" selection.
+
+A backend is a module under ``paged_ops.backends`` that exposes
+
+- ``is_available() -> bool``: can it run on this machine at all (imports, devices)?
+- ``unsupported_reason(spec: LayerSpec, device: torch.device) -> str | None``: ``None`` when it can
+  serve a layer with these parameters on that device, else a sentence saying why not.
+- ``write_kv(key, value, kv_cache, slot_mapping) -> None``
+- ``paged_attention(query, kv_cache, cu_seqlens_q, seq_lens, block_table, *, scale, causal,
+  window, softcap, sinks, alibi_slopes, plan_handle) -> Tensor``
+
+Modules load lazily, so ``import paged_ops`` needs only torch: triton and flashinfer are imported
+the first time their backend is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+# name -> module path; the order is the "auto" preference order on CUDA.
+_BACKEND_MODULES: dict[str, str] = {
+    "flashinfer": "paged_ops.backends.flashinfer",
+    "triton": "paged_ops.backends.triton",
+    "reference": "paged_ops.backends.reference",
+}
+BACKEND_NAMES: tuple[str, ...] = tuple(_BACKEND_MODULES)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a backend must support to serve one attention layer (or one call).
+
+    Per-layer constants of a model: they are baked into a compiled trace, never per-step tensors.
+    ``sliding_window`` and ``softcap`` are ``None`` when off; ``has_sinks``/``has_alibi`` say whether
+    the call carries those tensors.
+    """
+
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    dtype: torch.dtype
+    causal: bool = True
+    sliding_window: int | None = None
+    softcap: float | None = None
+    has_sinks: bool = False
+    has_alibi: bool = False
+
+
+def _load(name: str) -> ModuleType:
+    if name not in _BACKEND_MODULES:
+        raise ValueError(
+            f"unknown backend {name!r}; expected 'auto' or one of {sorted(_BACKEND_MODULES)}"
+        )
+    return importlib.import_module(_BACKEND_MODULES[name])
+
+
+def _is_available(name: str) -> bool:
+    try:
+        return bool(_load(name).is_available())
+    except ImportError:
+        return False
+
+
+def get_backend(name: str) -> ModuleType:
+    """The backend module called ``name`` (no availability check; ``resolve_backend`` does that)."""
+    return _load(name)
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can run on this machine, e.g. ``["reference"]`` on a CPU box."""
+    return [name for name in BACKEND_NAMES if _is_available(name)]
+
+
+def resolve_backend(name: str, spec: LayerSpec, device: torch.device | str) -> str:
+    """Turn ``name`` ("auto" or a backend name) into the concrete backend for one layer.
+
+    "auto" picks flashinfer on CUDA when it is installed and serves the layer, else triton on CUDA,
+    else reference. An explicitly named backend that cannot serve the request raises a ``ValueError``
+    that says why and what to use instead.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str, got {type(name).__name__}")
+    device = torch.device(device)
+    if name == "auto":
+        candidates = ["flashinfer", "triton"] if device.type == "cuda" else []
+        for candidate in candidates:
+            if (
+                _is_available(candidate)
+                and _load(candidate).unsupported_reason(spec, device) is None
+            ):
+                return candidate
+        return "reference"
+    if name not in _BACKEND_MODULES:
+        _load(name)  # raises the "unknown backend" error
+    if not _is_available(name):
+        raise ValueError(
+            f"backend {name!r} is not available on this machine (available: "
+            f"{available_backends()}); install its extra (pip install 'paged-ops[{name}]') or use "
+            "backend='auto'"
+        )
+    reason = _load(name).unsupported_reason(spec, device)
+    if reason is not None:
+        hint = (
+            " Use backend='triton' (any head size, sinks, ALiBi) or 'auto'."
+            if name != "triton"
+            else ""
+        )
+        raise ValueError(f"backend {name!r} cannot serve this layer: {reason}.{hint}")
+    return name
+
+
+# Backend state that is not a tensor (FlashInfer's planned wrappers) is held by its owner and reached
+# from inside an op through a small integer handle, a constant of the trace.
+_PLAN_STATES: dict[int, Any] = {}
+
+
+def register_plan_state(state: Any) -> int:
+    """Store ``state`` and return the integer handle an op will receive as ``plan_handle``."""
+    handle = max(_PLAN_STATES, default=-1) + 1
+    _PLAN_STATES[handle] = state
+    return handle
+
+
+def get_plan_state(handle: int) -> Any:
+    if handle not in _PLAN_STATES:
+        raise ValueError(f"no planned backend state under handle {handle}; was plan() called?")
+    return _PLAN_STATES[handle]
+
+
+def release_plan_state(handle: int) -> None:
+    _PLAN_STATES.pop(handle, None)

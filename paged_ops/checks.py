@@ -1,0 +1,190 @@
+"""Input validation for the public op wrappers: clear ``TypeError``/``ValueError`` before any kernel.
+
+Shape, dtype and device checks are free (they read metadata only) and always run. Checks that read
+index *values* (block ids in range, lengths consistent) need a host sync, so they run in eager mode
+only; the compiled hot path gets its indices from the metadata builder, which checks them on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _expect_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+
+
+def _expect_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_kv_cache(kv_cache: torch.Tensor) -> None:
+    check_tensor("kv_cache", kv_cache)
+    _expect_ndim("kv_cache", kv_cache, 5, "[num_blocks, 2, block_size, Hkv, D]")
+    if kv_cache.shape[1] != 2:
+        raise ValueError(
+            f"kv_cache dim 1 must be 2 (keys, values), got shape {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"kv_cache dtype must be one of {_FLOAT_DTYPES}, got {kv_cache.dtype}")
+
+
+def check_write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        check_tensor(name, t)
+    check_kv_cache(kv_cache)
+    _expect_ndim("key", key, 3, "[T, Hkv, D]")
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    if key.shape[1:] != kv_cache.shape[3:]:
+        raise ValueError(
+            f"key [T, Hkv, D] = {tuple(key.shape)} does not match kv_cache [.., Hkv, D] = "
+            f"{tuple(kv_cache.shape)}"
+        )
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != kv_cache.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} != kv_cache dtype {kv_cache.dtype}")
+    _expect_dtype("slot_mapping", slot_mapping, torch.int64)
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(
+            f"slot_mapping must be [T] = [{key.shape[0]}], got {tuple(slot_mapping.shape)}"
+        )
+    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        if t.device != kv_cache.device:
+            raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
+    if not torch.compiler.is_compiling() and slot_mapping.numel():
+        num_slots = kv_cache.shape[0] * kv_cache.shape[2]
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= num_slots:
+            raise ValueError(
+                f"slot_mapping values must be -1 (skip) or in [0, {num_slots}) "
+                f"(num_blocks * block_size), got range [{lo}, {hi}]"
+            )
+
+
+def check_paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+) -> None:
+    for name, t in (
+        ("query", query),
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("seq_lens", seq_lens),
+        ("block_table", block_table),
+    ):
+        check_tensor(name, t)
+    check_kv_cache(kv_cache)
+    _expect_ndim("query", query, 3, "[T, Hq, D]")
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, cache_head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    if query.dtype != kv_cache.dtype:
+        raise TypeError(f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
+    if head_dim != cache_head_dim:
+        raise ValueError(f"query head size {head_dim} != kv_cache head size {cache_head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"query heads ({num_q_heads}) must be a multiple of kv_cache heads ({num_kv_heads})"
+        )
+    _expect_ndim("cu_seqlens_q", cu_seqlens_q, 1, "[S+1]")
+    _expect_ndim("seq_lens", seq_lens, 1, "[S]")
+    _expect_ndim("block_table", block_table, 2, "[S, max_blocks]")
+    for name, t in (
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("seq_lens", seq_lens),
+        ("block_table", block_table),
+    ):
+        _expect_dtype(name, t, torch.int32)
+    num_seqs = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != num_seqs + 1 or block_table.shape[0] != num_seqs:
+        raise ValueError(
+            f"inconsistent batch sizes: seq_lens [S]={tuple(seq_lens.shape)}, cu_seqlens_q must be "
+            f"[S+1], got {tuple(cu_seqlens_q.shape)}, block_table must be [S, max_blocks], got "
+            f"{tuple(block_table.shape)}"
+        )
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if sliding_window is not None and (
+        not isinstance(sliding_window, int)
+        or isinstance(sliding_window, bool)
+        or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None and (not isinstance(softcap, (int, float)) or softcap < 0):
+        raise ValueError(f"softcap must be a non-negative float or None, got {softcap!r}")
+    for name, t in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if t is None:
+            continue
+        check_tensor(name, t)
+        _expect_dtype(name, t, torch.float32)
+        if t.shape != (num_q_heads,):
+            raise ValueError(f"{name} must be [Hq] = [{num_q_heads}], got {tuple(t.shape)}")
+    for name, t in (
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("seq_lens", seq_lens),
+        ("block_table", block_table),
+        ("sinks", sinks),
+        ("alibi_slopes", alibi_slopes),
+    ):
+        if t is not None and t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+    if kv_cache.device != query.device:
+        raise ValueError(f"kv_cache is on {kv_cache.device} but query is on {query.device}")
+    if not torch.compiler.is_compiling():
+        _check_index_values(query, kv_cache, cu_seqlens_q, seq_lens, block_table)
+
+
+def _check_index_values(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+) -> None:
+    num_tokens, (num_blocks, _, block_size) = query.shape[0], kv_cache.shape[:3]
+    cu, lens = cu_seqlens_q.long().cpu(), seq_lens.long().cpu()
+    q_lens = cu[1:] - cu[:-1]
+    if cu[0] != 0 or (q_lens < 0).any() or cu[-1] > num_tokens:
+        raise ValueError(
+            f"cu_seqlens_q must start at 0, never decrease and end at most at T={num_tokens}, "
+            f"got {cu.tolist()}"
+        )
+    if (lens < q_lens).any():
+        raise ValueError(
+            f"every seq_len must be >= its query length (KV length after this step's write), got "
+            f"seq_lens={lens.tolist()} for query lengths {q_lens.tolist()}"
+        )
+    max_len = block_table.shape[1] * block_size
+    if (lens > max_len).any():
+        raise ValueError(
+            f"seq_lens {lens.tolist()} exceed what block_table holds ({block_table.shape[1]} blocks "
+            f"of {block_size} = {max_len} tokens)"
+        )
+    blocks_used = (lens + block_size - 1) // block_size  # [S]
+    used = torch.arange(block_table.shape[1])[None, :] < blocks_used[:, None]
+    ids = block_table.cpu()[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(
+            f"block_table holds block ids out of range: expected [0, {num_blocks}), got "
+            f"[{int(ids.min())}, {int(ids.max())}]"
+        )

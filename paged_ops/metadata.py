@@ -1,0 +1,218 @@
+"""Per-step attention metadata and the builder that fills it.
+
+The builder owns persistent, max-size buffers: one host (pinned on CUDA) byte buffer and one device
+byte buffer of the same layout. Each step it writes the batch into the host buffer and issues a single
+host-to-device copy; the metadata tensors are views at fixed offsets into the device buffer, so their
+addresses never change (no recompiles, CUDA graphs replay without input copies).
+
+Padding rules (the op contract): tokens past the real ones have slot ``-1`` and position 0; padded
+sequences have query length 0 and KV length 0 (``cu_seqlens_q`` repeats its last value).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from paged_ops.cache import blocks_needed
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceSlice:
+    """One sequence's part of a step: its blocks, tokens already cached, and new tokens."""
+
+    block_ids: Sequence[int]
+    context_len: int
+    num_new_tokens: int
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """The contract tensors of one step (device views of persistent buffers) and host facts.
+
+    Device tensors (static addresses; shapes are the padded step sizes ``T`` and ``S``):
+        slot_mapping: ``[T]`` int64; positions: ``[T]`` int64 (absolute position of each token);
+        cu_seqlens_q: ``[S+1]`` int32; seq_lens: ``[S]`` int32; block_table: ``[S, max_blocks]``
+        int32; logits_indices: ``[S]`` int64, index in ``[0, T)`` of each sequence's last token.
+    Host facts (never read inside a compiled forward): real token and sequence counts, the largest
+    query and KV lengths, and CPU copies of the index tensors for backends that plan on the host.
+    """
+
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    logits_indices: torch.Tensor
+    num_tokens: int
+    num_seqs: int
+    max_query_len: int
+    max_seq_len: int
+    host_cu_seqlens_q: torch.Tensor
+    host_seq_lens: torch.Tensor
+    host_block_table: torch.Tensor
+
+    @property
+    def padded_num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def padded_num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every real sequence adds exactly one token."""
+        return self.max_query_len == 1
+
+
+def _regions(max_tokens: int, max_seqs: int, max_blocks: int) -> dict[str, tuple[torch.dtype, int]]:
+    return {
+        "slot_mapping": (torch.int64, max_tokens),
+        "positions": (torch.int64, max_tokens),
+        "logits_indices": (torch.int64, max_seqs),
+        "cu_seqlens_q": (torch.int32, max_seqs + 1),
+        "seq_lens": (torch.int32, max_seqs),
+        "block_table": (torch.int32, max_seqs * max_blocks),
+    }
+
+
+class MetadataBuilder:
+    """Turns a batch description into :class:`AttentionMetadata` with one host-to-device copy.
+
+    Args:
+        max_num_tokens: most tokens (real + padding) in one step.
+        max_num_seqs: most sequences in one step.
+        max_blocks_per_seq: width of the block table (``ceil(max_model_len / block_size)``).
+        block_size: tokens per KV block.
+        num_blocks: blocks in the cache (block ids are checked against it).
+        device: where the metadata tensors live.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        num_blocks: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
+        self.max_blocks_per_seq, self.block_size = max_blocks_per_seq, block_size
+        self.num_blocks, self.device = num_blocks, torch.device(device)
+        regions = _regions(max_num_tokens, max_num_seqs, max_blocks_per_seq)
+        offsets, total = {}, 0
+        for name, (dtype, numel) in regions.items():
+            offsets[name] = total
+            total += -(-numel * dtype.itemsize // 16) * 16  # 16-byte aligned regions
+        on_cuda = self.device.type == "cuda"
+        self._host_bytes = torch.zeros(total, dtype=torch.uint8, pin_memory=on_cuda)
+        self._device_bytes = (
+            torch.zeros(total, dtype=torch.uint8, device=self.device)
+            if on_cuda
+            else self._host_bytes
+        )
+        self._copy_done = torch.cuda.Event() if on_cuda else None
+
+        def views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {
+                name: buf[offsets[name] : offsets[name] + numel * dtype.itemsize].view(dtype)
+                for name, (dtype, numel) in regions.items()
+            }
+
+        self._host, self._dev = views(self._host_bytes), views(self._device_bytes)
+        for region in (self._host, self._dev):
+            region["block_table"] = region["block_table"].view(max_num_seqs, max_blocks_per_seq)
+
+    def build(
+        self,
+        seqs: Sequence[SequenceSlice],
+        *,
+        num_tokens: int | None = None,
+        num_seqs: int | None = None,
+    ) -> AttentionMetadata:
+        """Fill the buffers for one step and return views sized ``num_tokens`` x ``num_seqs``.
+
+        ``num_tokens``/``num_seqs`` pad the step (e.g. to a CUDA-graph bucket); by default the step
+        is exactly as large as the batch. Raises ``ValueError`` for a batch that does not fit.
+        """
+        real_tokens = sum(s.num_new_tokens for s in seqs)
+        num_tokens = real_tokens if num_tokens is None else num_tokens
+        num_seqs = len(seqs) if num_seqs is None else num_seqs
+        if not real_tokens <= num_tokens <= self.max_num_tokens:
+            raise ValueError(
+                f"step has {real_tokens} tokens padded to {num_tokens}; need real <= padded <= "
+                f"max_num_tokens={self.max_num_tokens}"
+            )
+        if not len(seqs) <= num_seqs <= self.max_num_seqs:
+            raise ValueError(
+                f"step has {len(seqs)} sequences padded to {num_seqs}; need real <= padded <= "
+                f"max_num_seqs={self.max_num_seqs}"
+            )
+        slots: list[int] = []
+        positions: list[int] = []
+        cu, lens, last, table = [0], [], [], []
+        width = self.max_blocks_per_seq
+        for seq in seqs:
+            n, ctx, blocks = seq.num_new_tokens, seq.context_len, seq.block_ids
+            total = ctx + n
+            if n < 0 or ctx < 0:
+                raise ValueError(f"negative lengths in {seq}")
+            if blocks_needed(total, self.block_size) > min(len(blocks), width):
+                raise ValueError(
+                    f"sequence of {total} tokens needs {blocks_needed(total, self.block_size)} "
+                    f"blocks, has {len(blocks)} (table width {width})"
+                )
+            used = blocks[: blocks_needed(total, self.block_size)]
+            if used and (min(used) < 0 or max(used) >= self.num_blocks):
+                raise ValueError(f"block ids {list(used)} out of range [0, {self.num_blocks})")
+            bs = self.block_size
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(ctx, total))
+            positions.extend(range(ctx, total))
+            cu.append(cu[-1] + n)
+            lens.append(total)
+            last.append(max(cu[-1] - 1, 0))
+            table.extend(used)
+            table.extend([0] * (width - len(used)))
+        pad_tokens, pad_seqs = num_tokens - real_tokens, num_seqs - len(seqs)
+        slots.extend([-1] * pad_tokens)
+        positions.extend([0] * pad_tokens)
+        cu.extend([cu[-1]] * pad_seqs)
+        lens.extend([0] * pad_seqs)
+        last.extend([0] * pad_seqs)
+        table.extend([0] * (width * pad_seqs))
+
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the previous step's copy still reads the host buffer
+        host = self._host
+        host["slot_mapping"][:num_tokens] = torch.tensor(slots, dtype=torch.int64)
+        host["positions"][:num_tokens] = torch.tensor(positions, dtype=torch.int64)
+        host["logits_indices"][:num_seqs] = torch.tensor(last, dtype=torch.int64)
+        host["cu_seqlens_q"][: num_seqs + 1] = torch.tensor(cu, dtype=torch.int32)
+        host["seq_lens"][:num_seqs] = torch.tensor(lens, dtype=torch.int32)
+        host["block_table"][:num_seqs] = torch.tensor(table, dtype=torch.int32).view(
+            num_seqs, width
+        )
+        if self._copy_done is not None:
+            self._device_bytes.copy_(self._host_bytes, non_blocking=True)  # the one H2D copy
+            self._copy_done.record()
+        dev = self._dev
+        return AttentionMetadata(
+            slot_mapping=dev["slot_mapping"][:num_tokens],
+            positions=dev["positions"][:num_tokens],
+            cu_seqlens_q=dev["cu_seqlens_q"][: num_seqs + 1],
+            seq_lens=dev["seq_lens"][:num_seqs],
+            block_table=dev["block_table"][:num_seqs],
+            logits_indices=dev["logits_indices"][:num_seqs],
+            num_tokens=real_tokens,
+            num_seqs=len(seqs),
+            max_query_len=max((s.num_new_tokens for s in seqs), default=0),
+            max_seq_len=max(lens, default=0),
+            host_cu_seqlens_q=host["cu_seqlens_q"][: num_seqs + 1],
+            host_seq_lens=host["seq_lens"][:num_seqs],
+            host_block_table=host["block_table"][:num_seqs],
+        )

@@ -1,0 +1,246 @@
+"""PagedAttention: owns the KV cache, the block allocator, the metadata buffers and the backends.
+
+A model author calls ``pa.prepare(...)`` once per step (outside any compiled region) and
+``pa(layer_idx, q, k, v)`` from each attention layer (inside it). See the README for the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paged_ops.backends import LayerSpec, get_backend, resolve_backend
+from paged_ops.cache import BlockAllocator, KVCache, OutOfBlocksError, blocks_needed
+from paged_ops.metadata import AttentionMetadata, MetadataBuilder, SequenceSlice
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """Per-layer attention constants; ``None`` turns a feature off. ``scale=None`` is ``D**-0.5``."""
+
+    scale: float | None = None
+    sliding_window: int | None = None
+    softcap: float | None = None
+    has_sinks: bool = False
+    causal: bool = True
+
+
+@dataclass
+class _SequenceState:
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # tokens in the cache once the prepared step has run
+
+
+class PagedAttention(nn.Module):
+    """Paged-KV-cache attention for every layer of one model.
+
+    Args:
+        num_layers, num_q_heads, num_kv_heads, head_dim: the model's attention geometry.
+        layers: one :class:`LayerConfig` per layer (default: plain causal attention everywhere).
+        block_size: tokens per KV block.
+        num_blocks: KV blocks to allocate; or give ``memory_budget_bytes`` instead.
+        max_num_seqs: most sequences per step.
+        max_num_tokens: most tokens per step (default ``max(max_model_len, max_num_seqs)``).
+        max_model_len: longest sequence (prompt + generated).
+        dtype, device: the cache's (must match the model's q/k/v).
+        backend: "auto", "reference", "triton" or "flashinfer", resolved per layer.
+
+    Example:
+        >>> pa = PagedAttention(num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=64,
+        ...                     num_blocks=128, max_model_len=512)
+        >>> md = pa.prepare({"a": 5, "b": 3})     # two prompts of 5 and 3 tokens
+        >>> out = pa(0, q, k, v)                   # q: [8, 8, 64], k/v: [8, 2, 64] -> [8, 8, 64]
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layers: Sequence[LayerConfig] | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        memory_budget_bytes: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_tokens: int | None = None,
+        max_model_len: int = 4096,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if num_q_heads % num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        layers = list(layers) if layers is not None else [LayerConfig()] * num_layers
+        if len(layers) != num_layers:
+            raise ValueError(f"got {len(layers)} layer configs for {num_layers} layers")
+        if (num_blocks is None) == (memory_budget_bytes is None):
+            raise ValueError("give exactly one of num_blocks and memory_budget_bytes")
+        geometry = dict(
+            num_layers=num_layers,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        if num_blocks is not None:
+            self.kv_cache = KVCache(num_blocks=num_blocks, **geometry)
+        else:
+            self.kv_cache = KVCache.from_memory_budget(memory_budget_bytes, **geometry)
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.block_size, self.max_model_len, self.dtype = block_size, max_model_len, dtype
+        self.layers = layers
+        self.allocator = BlockAllocator(self.kv_cache.num_blocks, block_size)
+        self.builder = MetadataBuilder(
+            max_num_tokens=max_num_tokens or max(max_model_len, max_num_seqs),
+            max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=blocks_needed(max_model_len, block_size),
+            block_size=block_size,
+            num_blocks=self.kv_cache.num_blocks,
+            device=self.kv_cache.device,
+        )
+        self.metadata: AttentionMetadata | None = None
+        self._sequences: dict[Hashable, _SequenceState] = {}
+        self._resolve_backends(backend)
+
+    def _resolve_backends(self, backend: str) -> None:
+        """Pick each layer's backend, and one planner per group of layers that share parameters."""
+        device = self.kv_cache.device
+        self.layer_backends: list[str] = []
+        for cfg in self.layers:
+            spec = LayerSpec(
+                head_dim=self.head_dim,
+                num_q_heads=self.num_q_heads,
+                num_kv_heads=self.num_kv_heads,
+                dtype=self.dtype,
+                causal=cfg.causal,
+                sliding_window=cfg.sliding_window,
+                softcap=cfg.softcap,
+                has_sinks=cfg.has_sinks,
+            )
+            self.layer_backends.append(resolve_backend(backend, spec, device))
+        # KV writes go through the first layer's backend; every backend obeys one cache layout.
+        self.write_backend = self.layer_backends[0]
+        self.planners: list = []
+        self.layer_plan_handles = [-1] * len(self.layers)
+        groups: dict[tuple, list[int]] = {}
+        for i, (name, cfg) in enumerate(zip(self.layer_backends, self.layers, strict=True)):
+            groups.setdefault((name, cfg), []).append(i)
+        for (name, cfg), indices in groups.items():
+            make_planner = getattr(get_backend(name), "make_planner", None)
+            if make_planner is None:
+                continue
+            planner = make_planner(self, cfg)
+            self.planners.append(planner)
+            for i in indices:
+                self.layer_plan_handles[i] = planner.handle
+
+    # ---- per step, outside any compiled region ----
+
+    def prepare(
+        self,
+        batch: Mapping[Hashable, int],
+        *,
+        num_tokens: int | None = None,
+        num_seqs: int | None = None,
+    ) -> AttentionMetadata:
+        """Allocate blocks and build the metadata for a step: ``{seq_id: num_new_tokens}``.
+
+        A new ``seq_id`` starts a sequence; a known one continues it. The order of ``batch`` is the
+        packing order of the step's tokens. Raises :class:`OutOfBlocksError` (a ``ValueError``)
+        without changing anything when the cache is full, ``ValueError`` past ``max_model_len``.
+        """
+        need = 0
+        for seq_id, n in batch.items():
+            state = self._sequences.get(seq_id, _SequenceState())
+            total = state.num_tokens + n
+            if n < 1 or total > self.max_model_len:
+                raise ValueError(
+                    f"sequence {seq_id!r}: {n} new tokens after {state.num_tokens} gives {total}; "
+                    f"need >= 1 new token and at most max_model_len={self.max_model_len}"
+                )
+            need += blocks_needed(total, self.block_size) - len(state.blocks)
+        if not self.allocator.can_allocate(need):
+            raise OutOfBlocksError(
+                f"step needs {need} more KV blocks, {self.allocator.num_free} free; release "
+                "finished sequences or allocate more blocks"
+            )
+        slices = []
+        for seq_id, n in batch.items():
+            state = self._sequences.setdefault(seq_id, _SequenceState())
+            total = state.num_tokens + n
+            state.blocks += self.allocator.allocate(
+                blocks_needed(total, self.block_size) - len(state.blocks)
+            )
+            slices.append(SequenceSlice(state.blocks, state.num_tokens, n))
+            state.num_tokens = total
+        return self.prepare_slices(slices, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    def prepare_slices(
+        self,
+        slices: Sequence[SequenceSlice],
+        *,
+        num_tokens: int | None = None,
+        num_seqs: int | None = None,
+    ) -> AttentionMetadata:
+        """Build the step's metadata from explicit block lists (callers that manage blocks)."""
+        self.metadata = self.builder.build(slices, num_tokens=num_tokens, num_seqs=num_seqs)
+        for planner in self.planners:
+            planner.plan(self.metadata)
+        return self.metadata
+
+    def release(self, seq_id: Hashable) -> None:
+        """Free a finished sequence's blocks."""
+        state = self._sequences.pop(seq_id, None)
+        if state is None:
+            raise ValueError(f"unknown sequence {seq_id!r}")
+        self.allocator.free(state.blocks)
+
+    # ---- per layer, inside the compiled forward ----
+
+    def forward(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write this step's K/V for layer ``layer_idx`` and attend over the cache.
+
+        Args:
+            query: ``[T, Hq, D]``; key, value: ``[T, Hkv, D]`` (after RoPE), T = padded step tokens.
+            sinks: ``[Hq]`` float32 when the layer was configured with ``has_sinks``.
+        Returns:
+            ``[T, Hq, D]``.
+        """
+        md = self.metadata
+        if md is None:
+            raise RuntimeError("PagedAttention.prepare() must run before the forward")
+        cfg = self.layers[layer_idx]
+        cache = self.kv_cache.layers[layer_idx]  # [N, 2, B, Hkv, D]
+        torch.ops.paged_ops.write_kv.default(key, value, cache, md.slot_mapping, self.write_backend)
+        return torch.ops.paged_ops.paged_attention.default(
+            query,
+            cache,
+            md.cu_seqlens_q,
+            md.seq_lens,
+            md.block_table,
+            float(self.head_dim**-0.5 if cfg.scale is None else cfg.scale),
+            cfg.causal,
+            int(cfg.sliding_window or 0),
+            float(cfg.softcap or 0.0),
+            sinks,
+            alibi_slopes,
+            self.layer_backends[layer_idx],
+            self.layer_plan_handles[layer_idx],
+        )

@@ -1,0 +1,199 @@
+"""The ``paged_ops::`` custom ops: schemas, fake kernels, and the public wrappers.
+
+The ops are defined with the low-level ``torch.library.Library`` API (cheaper per call than
+``custom_op``). Each op is one opaque node for torch.compile: its fake kernel derives the output
+shape from the inputs' shapes only. Per-layer constants (scale, window, softcap, backend name, plan
+handle) are scalar arguments, so they are baked into a trace; per-step facts are tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_ops.backends import LayerSpec, get_backend, resolve_backend
+from paged_ops.checks import check_paged_attention, check_write_kv
+
+_lib = torch.library.Library("paged_ops", "DEF")  # noqa: TOR901 (kept alive for the process)
+_lib.define(
+    "write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str backend) -> ()"
+)
+_lib.define(
+    "paged_attention(Tensor query, Tensor kv_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
+    "Tensor block_table, float scale, bool causal, int window, float softcap, Tensor? sinks, "
+    "Tensor? alibi_slopes, str backend, int plan_handle) -> Tensor"
+)
+
+
+def _write_kv_impl(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: str,
+) -> None:
+    get_backend(backend).write_kv(key, value, kv_cache, slot_mapping)
+
+
+def _paged_attention_impl(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    backend: str,
+    plan_handle: int,
+) -> torch.Tensor:
+    return get_backend(backend).paged_attention(
+        query,
+        kv_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale=scale,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+        plan_handle=plan_handle,
+    )
+
+
+for _device in ("CPU", "CUDA"):
+    _lib.impl("write_kv", _write_kv_impl, _device)
+    _lib.impl("paged_attention", _paged_attention_impl, _device)
+
+
+@torch.library.register_fake("paged_ops::write_kv", lib=_lib)
+def _write_kv_fake(key, value, kv_cache, slot_mapping, backend):  # noqa: ANN001
+    return None
+
+
+@torch.library.register_fake("paged_ops::paged_attention", lib=_lib)
+def _paged_attention_fake(query, kv_cache, *args):  # noqa: ANN001
+    return torch.empty_like(query)  # [T, Hq, D]
+
+
+def _resolve(backend: str, spec: LayerSpec, device: torch.device) -> str:
+    return resolve_backend(backend, spec, device)
+
+
+# Same as decorating with torch.compiler.assume_constant_result: dynamo calls _resolve at trace time
+# instead of tracing it (availability checks import optional packages). Set by hand so that
+# `import paged_ops` does not import torch._dynamo (which pulls in triton when installed).
+_resolve._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
+    """Write this step's keys and values into one layer's paged cache, in place.
+
+    Args:
+        key, value: ``[T, Hkv, D]``, same dtype as the cache.
+        kv_cache: ``[num_blocks, 2, block_size, Hkv, D]``; ``[:, 0]`` keys, ``[:, 1]`` values.
+        slot_mapping: ``[T]`` int64, ``block_id * block_size + offset`` per token; ``-1`` skips it.
+        backend: "auto", "reference", "triton" or "flashinfer".
+    """
+    check_write_kv(key, value, kv_cache, slot_mapping)
+    spec = LayerSpec(
+        head_dim=key.shape[2],
+        num_q_heads=key.shape[1],
+        num_kv_heads=key.shape[1],
+        dtype=kv_cache.dtype,
+    )
+    name = _resolve(backend, spec, kv_cache.device)
+    torch.ops.paged_ops.write_kv.default(key, value, kv_cache, slot_mapping, name)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of packed, variable-length queries over a paged KV cache.
+
+    Prefill, decode and mixed batches go through the same call. Query token ``i`` of sequence ``s``
+    sits at absolute position ``seq_lens[s] - q_len + i`` and (with ``causal``) sees KV positions
+    ``<= `` its own; ``sliding_window=W`` (Hugging Face's meaning) keeps the last ``W`` of them.
+
+    Args:
+        query: ``[T, Hq, D]``, sequence-major packing of every sequence's new tokens.
+        kv_cache: ``[num_blocks, 2, block_size, Hkv, D]``, same dtype as query; ``Hq % Hkv == 0``.
+        cu_seqlens_q: ``[S+1]`` int32 query offsets; tokens past ``cu_seqlens_q[-1]`` are padding.
+        seq_lens: ``[S]`` int32 KV length of each sequence after this step's write.
+        block_table: ``[S, max_blocks]`` int32 block ids of each sequence, in order.
+        scale: score scale, default ``D ** -0.5``.
+        causal: mask future positions.
+        sliding_window: keep KV positions ``j > p - sliding_window``; ``None`` = all.
+        softcap: ``c * tanh(x / c)`` on each scaled score; ``None`` = off.
+        sinks: ``[Hq]`` float32, one extra logit per head in the softmax denominator.
+        alibi_slopes: ``[Hq]`` float32, adds ``slope_h * (j - p)`` to each score.
+        backend: "auto", "reference", "triton" or "flashinfer".
+
+    Returns:
+        ``[T, Hq, D]`` in query's dtype; padded query tokens hold finite values nobody should read.
+
+    Example:
+        >>> out = paged_ops.paged_attention(q, cache, cu_seqlens_q, seq_lens, block_table)
+    """
+    check_paged_attention(
+        query,
+        kv_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale=scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+    )
+    spec = LayerSpec(
+        head_dim=query.shape[2],
+        num_q_heads=query.shape[1],
+        num_kv_heads=kv_cache.shape[3],
+        dtype=query.dtype,
+        causal=causal,
+        sliding_window=sliding_window,
+        softcap=softcap or None,
+        has_sinks=sinks is not None,
+        has_alibi=alibi_slopes is not None,
+    )
+    name = _resolve(backend, spec, query.device)
+    return torch.ops.paged_ops.paged_attention.default(
+        query,
+        kv_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        float(query.shape[2] ** -0.5 if scale is None else scale),
+        bool(causal),
+        int(sliding_window or 0),
+        float(softcap or 0.0),
+        sinks,
+        alibi_slopes,
+        name,
+        -1,
+    )

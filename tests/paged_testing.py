@@ -1,0 +1,163 @@
+"""Test helpers: random paged batches and an independent float64 dense attention.
+
+The dense reference is deliberately written differently from the reference backend: it loops over
+query tokens, builds each one's visible key set explicitly and works in float64 on the un-paged K/V.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedBatch:
+    query: torch.Tensor  # [T, Hq, D] (T includes padding tokens)
+    new_key: torch.Tensor  # [T, Hkv, D] this step's keys (padding rows random)
+    new_value: torch.Tensor  # [T, Hkv, D]
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding
+    kv_cache: torch.Tensor  # [N, 2, B, Hkv, D], context already written, new tokens not yet
+    cu_seqlens_q: torch.Tensor  # [S+1] int32
+    seq_lens: torch.Tensor  # [S] int32
+    block_table: torch.Tensor  # [S, max_blocks] int32
+    keys: list[torch.Tensor]  # per real sequence, [kv_len, Hkv, D] un-paged (context + new)
+    values: list[torch.Tensor]
+    q_lens: list[int]
+
+
+def make_batch(
+    seqs: list[tuple[int, int]],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    pad_tokens: int = 0,
+    pad_seqs: int = 0,
+    extra_blocks: int = 3,
+    seed: int = 0,
+) -> PagedBatch:
+    """A batch of sequences given as ``(context_len, q_len)`` with shuffled block tables.
+
+    The context K/V are written straight into the cache by indexing; the new tokens' K/V are returned
+    with their slot mapping so a test can write them with ``write_kv``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil((c + q) / block_size) for c, q in seqs]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    max_blocks = max(blocks_per_seq + [1]) + 1
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # shuffled, non-contiguous tables
+    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    num_seqs = len(seqs) + pad_seqs
+    block_table = torch.randint(
+        0, num_blocks, (num_seqs, max_blocks), generator=g, dtype=torch.int32
+    )
+    cu, lens, slots, keys, values, queries, new_k, new_v = [0], [], [], [], [], [], [], []
+    for s, (ctx, q_len) in enumerate(seqs):
+        kv_len = ctx + q_len
+        ids = [perm.pop() for _ in range(blocks_per_seq[s])]
+        block_table[s, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        k = torch.randn(kv_len, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(kv_len, num_kv_heads, head_dim, generator=g).to(dtype)
+        for p in range(kv_len):
+            block, off = ids[p // block_size], p % block_size
+            if p < ctx:
+                kv_cache[block, 0, off], kv_cache[block, 1, off] = k[p], v[p]
+            else:
+                slots.append(block * block_size + off)
+        keys.append(k)
+        values.append(v)
+        new_k.append(k[ctx:])
+        new_v.append(v[ctx:])
+        queries.append(torch.randn(q_len, num_q_heads, head_dim, generator=g).to(dtype))
+        cu.append(cu[-1] + q_len)
+        lens.append(kv_len)
+    for _ in range(pad_seqs):
+        cu.append(cu[-1])
+        lens.append(0)
+    queries.append(torch.randn(pad_tokens, num_q_heads, head_dim, generator=g).to(dtype))
+    new_k.append(torch.randn(pad_tokens, num_kv_heads, head_dim, generator=g).to(dtype))
+    new_v.append(torch.randn(pad_tokens, num_kv_heads, head_dim, generator=g).to(dtype))
+    slots.extend([-1] * pad_tokens)
+    dev = torch.device(device)
+    return PagedBatch(
+        query=torch.cat(queries).to(dev),
+        new_key=torch.cat(new_k).to(dev),
+        new_value=torch.cat(new_v).to(dev),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        kv_cache=kv_cache.to(dev),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        block_table=block_table.to(dev),
+        keys=keys,
+        values=values,
+        q_lens=[q for _, q in seqs],
+    )
+
+
+def dense_attention_f64(
+    q: torch.Tensor,  # [q_len, Hq, D]
+    k: torch.Tensor,  # [kv_len, Hkv, D]
+    v: torch.Tensor,  # [kv_len, Hkv, D]
+    *,
+    scale: float,
+    causal: bool = True,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:  # [q_len, Hq, D] float64
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    q_len, num_q_heads, _ = q.shape
+    kv_len, num_kv_heads, _ = k.shape
+    group = num_q_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(q_len):
+        p = kv_len - q_len + i
+        visible = [
+            j
+            for j in range(kv_len)
+            if (not causal or j <= p) and (window is None or j > p - window)
+        ]
+        idx = torch.tensor(visible, dtype=torch.long)
+        for h in range(num_q_heads):
+            kh, vh = k[idx, h // group], v[idx, h // group]  # [n, D]
+            x = (kh @ q[i, h]) * scale
+            if softcap:
+                x = softcap * torch.tanh(x / softcap)
+            if alibi_slopes is not None:
+                x = x + float(alibi_slopes[h]) * (idx.double() - p)
+            m = x.max()
+            if sinks is not None:
+                m = torch.maximum(m, sinks[h].double().cpu())
+            w = torch.exp(x - m)
+            denom = w.sum() + (torch.exp(sinks[h].double().cpu() - m) if sinks is not None else 0.0)
+            out[i, h] = (w @ vh) / denom
+    return out
+
+
+def dense_batch_f64(batch: PagedBatch, **kwargs: object) -> list[torch.Tensor]:
+    """Dense float64 outputs, one ``[q_len, Hq, D]`` per real sequence."""
+    starts = batch.cu_seqlens_q.tolist()
+    return [
+        dense_attention_f64(
+            batch.query[starts[s] : starts[s] + q_len], batch.keys[s], batch.values[s], **kwargs
+        )
+        for s, q_len in enumerate(batch.q_lens)
+    ]
+
+
+def assert_matches_dense(
+    out: torch.Tensor, batch: PagedBatch, expected: list[torch.Tensor], rtol: float
+) -> None:
+    """Relative Frobenius error per sequence below ``rtol``; padded rows finite."""
+    starts = batch.cu_seqlens_q.tolist()
+    assert torch.isfinite(out.float()).all(), "non-finite values in the output"
+    for s, ref in enumerate(expected):
+        got = out[starts[s] : starts[s] + batch.q_lens[s]].double().cpu()
+        err = (got - ref).norm() / ref.norm().clamp_min(1e-12)
+        assert err <= rtol, f"sequence {s}: relative error {err:.2e} > {rtol:.0e}"

@@ -1,0 +1,103 @@
+"""MetadataBuilder padding and static buffers; PagedAttention end to end on the reference backend."""
+
+import pytest
+import torch
+from paged_testing import dense_attention_f64
+
+from paged_ops import LayerConfig, MetadataBuilder, OutOfBlocksError, PagedAttention, SequenceSlice
+
+
+def test_builder_fills_contract_tensors_with_padding():
+    b = MetadataBuilder(
+        max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=3, block_size=4, num_blocks=10
+    )
+    md = b.build([SequenceSlice([7, 2], 3, 2), SequenceSlice([5], 0, 3)], num_tokens=8, num_seqs=3)
+    assert md.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 20, 21, 22, -1, -1, -1]
+    assert md.positions.tolist() == [3, 4, 0, 1, 2, 0, 0, 0]
+    assert md.cu_seqlens_q.tolist() == [0, 2, 5, 5]
+    assert md.seq_lens.tolist() == [5, 3, 0]
+    assert md.block_table.tolist() == [[7, 2, 0], [5, 0, 0], [0, 0, 0]]
+    assert md.logits_indices.tolist()[:2] == [1, 4]
+    assert (md.num_tokens, md.num_seqs, md.max_query_len, md.max_seq_len) == (5, 2, 3, 5)
+
+
+def test_builder_views_keep_their_addresses_across_steps():
+    b = MetadataBuilder(
+        max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=3, block_size=4, num_blocks=10
+    )
+    first = b.build([SequenceSlice([1], 0, 4)], num_tokens=8, num_seqs=2)
+    ptrs = [t.data_ptr() for t in (first.slot_mapping, first.cu_seqlens_q, first.block_table)]
+    second = b.build(
+        [SequenceSlice([1, 3], 4, 1), SequenceSlice([2], 0, 2)], num_tokens=8, num_seqs=2
+    )
+    assert ptrs == [
+        t.data_ptr() for t in (second.slot_mapping, second.cu_seqlens_q, second.block_table)
+    ]
+    assert first.seq_lens.tolist() == [5, 2]  # the same memory, updated in place
+
+
+def test_builder_rejects_steps_that_do_not_fit():
+    b = MetadataBuilder(
+        max_num_tokens=4, max_num_seqs=2, max_blocks_per_seq=2, block_size=4, num_blocks=10
+    )
+    with pytest.raises(ValueError, match="max_num_tokens=4"):
+        b.build([SequenceSlice([1, 2], 0, 5)])
+    with pytest.raises(ValueError, match="needs 2 blocks, has 1"):
+        b.build([SequenceSlice([1], 3, 2)])
+    with pytest.raises(ValueError, match=r"out of range \[0, 10\)"):
+        b.build([SequenceSlice([11], 0, 2)])
+
+
+def test_paged_attention_module_prefill_then_decode_matches_dense():
+    torch.manual_seed(0)
+    hq, hkv, d, layers = 4, 2, 32, 2
+    pa = PagedAttention(
+        num_layers=layers,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        layers=[LayerConfig(), LayerConfig(sliding_window=3)],
+        block_size=4,
+        num_blocks=16,
+        max_model_len=32,
+        max_num_seqs=4,
+    )
+    history = {sid: ([], [], []) for sid in "ab"}  # per sequence: q, k, v rows of layer 1
+    for batch in [{"a": 5, "b": 2}, {"a": 1, "b": 1}, {"b": 1, "a": 1}]:
+        md = pa.prepare(batch, num_tokens=8, num_seqs=3)
+        t = md.padded_num_tokens
+        q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+        pa(0, q, k, v)
+        out = pa(1, q, k, v)
+        start = 0
+        for sid, n in batch.items():
+            hq_, hk_, hv_ = history[sid]
+            hq_.append(q[start : start + n])
+            hk_.append(k[start : start + n])
+            hv_.append(v[start : start + n])
+            ref = dense_attention_f64(
+                q[start : start + n], torch.cat(hk_), torch.cat(hv_), scale=d**-0.5, window=3
+            )
+            torch.testing.assert_close(out[start : start + n].double(), ref, atol=1e-5, rtol=1e-5)
+            start += n
+    pa.release("a")
+    pa.release("b")
+    assert pa.allocator.num_free == 16
+
+
+def test_prepare_is_atomic_when_blocks_run_out():
+    pa = PagedAttention(
+        num_layers=1,
+        num_q_heads=2,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=4,
+        num_blocks=3,
+        max_model_len=64,
+    )
+    pa.prepare({"a": 8})
+    with pytest.raises(OutOfBlocksError, match="needs 2 more KV blocks, 1 free"):
+        pa.prepare({"a": 1, "b": 4})
+    assert pa.allocator.num_free == 1
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        pa.prepare({"a": 60})
