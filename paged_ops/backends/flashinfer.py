@@ -1,0 +1,194 @@
+"""FlashInfer backend: plan() on the host before the forward, run() inside the op.
+
+- Prefill and mixed steps run ``BatchPrefillWithPagedKVCacheWrapper`` (causal, FA3 on sm90 through
+  ``backend="auto"``); decode-only steps run ``BatchDecodeWithPagedKVCacheWrapper`` built with
+  ``use_cuda_graph=True`` per batch bucket, on tensor cores when ``Hq / Hkv >= 4``.
+- ``make_planner`` gives ``PagedAttention`` one planner per layer group; the op reaches it through
+  ``plan_handle`` (see :mod:`paged_ops.backends.flashinfer_planner`).
+- Head sizes 64/128/256, float16/bfloat16, causal or not, sliding window, softcap. No sinks, no
+  ALiBi: "auto" gives such layers to triton, and ``backend="flashinfer"`` refuses them.
+
+flashinfer is optional: it is imported only when a planner is built or ``is_available()`` runs on a
+machine with CUDA, never by ``import paged_ops``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from paged_ops.backends import LayerSpec, get_plan_state, register_plan_state
+from paged_ops.backends import flashinfer_host as host
+from paged_ops.backends.flashinfer_planner import FlashInferPlanner, capturing
+
+
+@functools.cache
+def _flashinfer_importable() -> bool:
+    try:
+        importlib.import_module("flashinfer")
+    except Exception:  # ImportError, or a broken install failing at import
+        return False
+    return True
+
+
+def is_available() -> bool:
+    """flashinfer is installed and importable, and CUDA is available."""
+    return torch.cuda.is_available() and _flashinfer_importable()
+
+
+def unsupported_reason(spec: LayerSpec, device: torch.device) -> str | None:
+    """``None`` when FlashInfer can serve the layer on ``device``, else a sentence saying why not."""
+    return host.unsupported_reason(spec, torch.device(device))
+
+
+@functools.cache
+def _triton_write_kv() -> Callable[..., None] | None:
+    try:
+        triton_backend = importlib.import_module("paged_ops.backends.triton")
+    except ImportError:
+        return None
+    return triton_backend.write_kv if triton_backend.is_available() else None
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> None:
+    """Write this step's K/V into the cache; CUDA-graph capturable, skips slot -1.
+
+    Uses the triton backend's one-kernel write when it is available on a CUDA tensor, else a
+    sync-free torch scatter (:func:`~paged_ops.backends.flashinfer_host.scatter_kv`).
+    """
+    triton_write = _triton_write_kv() if kv_cache.is_cuda else None
+    if triton_write is not None:
+        triton_write(key, value, kv_cache, slot_mapping)
+    else:
+        host.scatter_kv(key, value, kv_cache, slot_mapping)
+
+
+def make_planner(owner: Any, cfg: Any) -> FlashInferPlanner:
+    """One planner for the layers of ``owner`` (a PagedAttention) that share ``cfg`` (LayerConfig)."""
+    planner = FlashInferPlanner(
+        num_q_heads=owner.num_q_heads,
+        num_kv_heads=owner.num_kv_heads,
+        head_dim=owner.head_dim,
+        block_size=owner.block_size,
+        dtype=owner.dtype,
+        device=owner.kv_cache.device,
+        max_num_seqs=owner.builder.max_num_seqs,
+        max_blocks_per_seq=owner.builder.max_blocks_per_seq,
+        scale=float(owner.head_dim**-0.5 if cfg.scale is None else cfg.scale),
+        causal=cfg.causal,
+        window=int(cfg.sliding_window or 0),
+        softcap=float(cfg.softcap or 0.0),
+    )
+    planner.handle = register_plan_state(planner)
+    return planner
+
+
+def prebuild(planners: list[FlashInferPlanner]) -> None:
+    """JIT-compile every kernel these planners will use, in one parallel build.
+
+    FlashInfer otherwise compiles each variant on first use, one after the other (tens of seconds
+    each). Typical use: ``prebuild(pa.planners)`` right after building a PagedAttention.
+    """
+    from flashinfer.jit import build_jit_specs
+
+    specs = {spec.name: spec for p in planners for spec in p.jit_specs()}
+    build_jit_specs(list(specs.values()))
+
+
+# Eager calls without a plan (the functional ``paged_ops.paged_attention``): one planner per
+# geometry and constants, planned from the device tensors (a host sync; never inside a CUDA graph).
+_unplanned: dict[tuple, FlashInferPlanner] = {}
+
+
+def _run_unplanned(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    if capturing():
+        raise RuntimeError(
+            "FlashInfer backend: a CUDA graph can only capture planned calls; use PagedAttention "
+            "(prepare/prepare_slices plans the step) or backend='triton'"
+        )
+    num_seqs, width = block_table.shape
+    geometry = (query.shape[1], kv_cache.shape[3], query.shape[2], kv_cache.shape[2])
+    key = (*geometry, query.dtype, query.device, scale, causal, window, softcap, num_seqs, width)
+    if key not in _unplanned:
+        _unplanned[key] = FlashInferPlanner(
+            num_q_heads=geometry[0],
+            num_kv_heads=geometry[1],
+            head_dim=geometry[2],
+            block_size=geometry[3],
+            dtype=query.dtype,
+            device=query.device,
+            max_num_seqs=num_seqs,
+            max_blocks_per_seq=width,
+            scale=scale,
+            causal=causal,
+            window=window,
+            softcap=softcap,
+        )
+    planner = _unplanned[key]
+    host_cu, host_lens = cu_seqlens_q.cpu(), seq_lens.cpu()  # [S+1], [S]
+    real = int(torch.nonzero(host_lens > 0).max()) + 1 if bool((host_lens > 0).any()) else 0
+    shape = host.StepShape("prefill" if real else "empty", real, int(host_cu[real]))
+    planner.plan_host(shape, host_cu, host_lens, block_table.cpu())
+    return planner.run(query, kv_cache, num_seqs)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
+    cu_seqlens_q: torch.Tensor,  # [S+1] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    block_table: torch.Tensor,  # [S, max_blocks] int32
+    *,
+    scale: float,
+    causal: bool,
+    window: int,  # <= 0: off
+    softcap: float,  # <= 0: off
+    sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    plan_handle: int = -1,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Attention through the wrapper planned under ``plan_handle`` (or an eager plan if -1).
+
+    The planned path reads no tensor values on the host, so it runs inside torch.compile and,
+    for decode steps, inside a CUDA graph. Padded query tokens get zeros.
+    """
+    if sinks is not None or alibi_slopes is not None:
+        raise ValueError(
+            "backend 'flashinfer' does not support attention sinks or ALiBi; use "
+            "backend='triton' or 'auto'"
+        )
+    constants = dict(scale=scale, causal=causal, window=window, softcap=softcap)
+    if plan_handle < 0:
+        return _run_unplanned(query, kv_cache, cu_seqlens_q, seq_lens, block_table, **constants)
+    planner: FlashInferPlanner = get_plan_state(plan_handle)
+    planned = dict(
+        scale=planner.scale, causal=planner.causal, window=planner.window, softcap=planner.softcap
+    )
+    if constants != planned:
+        raise RuntimeError(
+            f"FlashInfer plan {plan_handle} was made for {planned}, the layer asks for {constants}"
+        )
+    out = planner.run(query, kv_cache, seq_lens.shape[0])
+    if not query.is_contiguous():  # match the fake kernel's empty_like(query) strides
+        out = torch.empty_like(query).copy_(out)
+    return out

@@ -1,0 +1,133 @@
+"""Host-side pieces of the FlashInfer backend: no GPU and no flashinfer import needed.
+
+Everything here runs on CPU tensors (the metadata builder's host copies) before a step's forward,
+so FlashInfer's ``plan()`` never waits on the GPU. It is unit-tested in CI without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paged_ops.backends import LayerSpec
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# From this GQA group size on, decode runs on tensor cores (FlashInfer's prefill kernel with one
+# query row per request); below it the CUDA-core decode kernel is faster and supports groups 1-3.
+TENSOR_CORE_MIN_GROUP = 4
+
+
+def unsupported_reason(spec: LayerSpec, device: torch.device) -> str | None:
+    """Why FlashInfer cannot serve a layer with ``spec`` on ``device``, or ``None`` if it can.
+
+    Only static facts are checked (no GPU, no import), so "auto" can decide per layer group.
+    """
+    if device.type != "cuda":
+        return f"it runs on CUDA devices only, got device {str(device)!r}"
+    if spec.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head size {spec.head_dim} is not one of {list(SUPPORTED_HEAD_DIMS)}"
+    if spec.dtype not in SUPPORTED_DTYPES:
+        return f"cache dtype {spec.dtype} is not float16 or bfloat16"
+    if spec.has_sinks:
+        return "attention sinks are not supported by its paged prefill/decode kernels"
+    if spec.has_alibi:
+        return "ALiBi with per-head slopes is not supported"
+    return None
+
+
+def use_tensor_cores(num_q_heads: int, num_kv_heads: int) -> bool:
+    """Decode on tensor cores when the GQA group ``Hq / Hkv`` is at least 4."""
+    return num_q_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKVIndex:
+    """FlashInfer's CSR description of a batch's pages (CPU int32 tensors).
+
+    indptr: ``[S+1]``, pages of request ``s`` are ``indices[indptr[s]:indptr[s+1]]``;
+    indices: ``[nnz]`` block ids; last_page_len: ``[S]`` entries used in the last page, in
+    ``[1, page_size]`` (1 for a padded request, which has no pages at all).
+    """
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+
+
+def paged_kv_index(
+    seq_lens: torch.Tensor,  # [S] int32, CPU; 0 = padded sequence
+    block_table: torch.Tensor,  # [S, W] int32, CPU
+    block_size: int,
+) -> PagedKVIndex:
+    """Turn the metadata's ``seq_lens`` + ``block_table`` into FlashInfer's page CSR.
+
+    A padded sequence (``seq_len == 0``) gets zero pages, so ``indptr`` repeats its last value, and
+    ``last_page_len = 1`` (FlashInfer requires ``[1, page_size]``; a request without pages has
+    length 0 whatever that value is).
+    """
+    lens = seq_lens.to(torch.int64)
+    num_pages = (lens + block_size - 1) // block_size  # [S]
+    indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32)
+    torch.cumsum(num_pages, 0, out=indptr[1:])
+    width = block_table.shape[1]
+    used = torch.arange(width)[None, :] < num_pages[:, None]  # [S, W]
+    indices = block_table[used].to(torch.int32)  # row-major: sequence 0's pages first
+    last_page_len = torch.where(lens > 0, (lens - 1) % block_size + 1, 1).to(torch.int32)
+    return PagedKVIndex(indptr=indptr, indices=indices, last_page_len=last_page_len)
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """Which wrapper serves a step, decided from host facts only (never from tensor values).
+
+    kind: "decode" (every real sequence adds one token; served by the CUDA-graph-safe decode
+    wrapper of bucket ``batch_size = padded_num_seqs``), "prefill" (prefill or mixed; the eager
+    prefill wrapper over the ``batch_size = num_seqs`` real sequences) or "empty" (no sequences).
+    num_tokens: real query tokens of the step; rows past it are padding.
+    """
+
+    kind: str
+    batch_size: int
+    num_tokens: int
+
+
+def step_shape(
+    *, num_seqs: int, padded_num_seqs: int, num_tokens: int, is_decode: bool
+) -> StepShape:
+    """Pick the wrapper for a step: the decode bucket is the padded sequence count."""
+    if num_seqs == 0:
+        return StepShape("empty", 0, 0)
+    if is_decode:
+        return StepShape("decode", padded_num_seqs, num_tokens)
+    return StepShape("prefill", num_seqs, num_tokens)
+
+
+def scatter_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> None:
+    """Write K/V into the paged cache with torch ops only: no host sync, CUDA-graph capturable.
+
+    Boolean indexing would need the count of valid slots on the host, so every token writes
+    somewhere: a padded token (slot -1) rewrites the first real token's slot with that token's own
+    key/value (duplicate writes of equal values are deterministic); if the step has no real token
+    at all, padded tokens rewrite slot 0 with its current contents.
+    """
+    if slot_mapping.shape[0] == 0:
+        return
+    block_size = kv_cache.shape[2]
+    valid = slot_mapping >= 0  # [T]
+    any_valid = valid.any()
+    first = valid.to(torch.int8).argmax()  # index of the first real token (0 if none)
+    fallback = torch.where(any_valid, slot_mapping[first], 0)
+    slots = torch.where(valid, slot_mapping, fallback)  # [T], all in range
+    blocks, offsets = slots // block_size, slots % block_size
+    keep = valid[:, None, None]
+    for i, new in enumerate((key, value)):
+        old = kv_cache[0, i, 0]  # [Hkv, D], read before the write below (stream order)
+        filler = torch.where(any_valid, new[first], old)  # [Hkv, D]
+        kv_cache[blocks, i, offsets] = torch.where(keep, new, filler).to(kv_cache.dtype)
