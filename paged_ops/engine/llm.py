@@ -1,0 +1,339 @@
+"""The public front end: ``LLM(model).generate(prompts, SamplingParams(...))`` and ``LLM.stream``."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from paged_ops.cache import KVCache, blocks_needed
+from paged_ops.engine.params import GenerationMetrics, RequestOutput, SamplingParams, StreamChunk
+from paged_ops.engine.runner import ModelRunner
+from paged_ops.engine.sampler import SamplingBatch, sample
+from paged_ops.engine.scheduler import Scheduler
+from paged_ops.engine.scheduler import Sequence as Seq
+from paged_ops.module import PagedAttention
+
+_CPU_KV_BYTES = 1 << 30  # default KV budget on CPU
+
+
+def _token_ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, (list, tuple, set)) else {int(value)}
+
+
+def _profile_num_blocks(
+    model: nn.Module, *, block_size: int, max_num_tokens: int, max_num_seqs: int, util: float
+) -> int:
+    """KV blocks that fit on the GPU: ``util`` x total memory, less what a warm-up forward uses."""
+    cfg, param = model.config, next(model.parameters())
+    device = param.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        ids = torch.zeros(1, max_num_tokens, dtype=torch.int64, device=device)
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    torch.cuda.synchronize(device)
+    activations = torch.cuda.max_memory_allocated(device) - before
+    free, total = torch.cuda.mem_get_info(device)
+    # logits and the sampler's float32 work tensors of a full decode step, plus graph slack
+    extra = max_num_seqs * cfg.vocab_size * 4 * 6 + (512 << 20)
+    budget = total * util - (total - free) - activations - extra
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_block = KVCache.bytes_per_block(
+        num_layers=cfg.num_hidden_layers,
+        block_size=block_size,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim,
+        dtype=param.dtype,
+    )
+    if budget < per_block:
+        raise ValueError(
+            f"gpu_memory_utilization={util} leaves no room for the KV cache "
+            f"({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB)"
+        )
+    return int(budget // per_block)
+
+
+class LLM:
+    """Continuous-batching generation from a Hugging Face causal LM with paged attention.
+
+    Args:
+        model: a transformers causal LM (patched here with ``patch_model`` unless it already is).
+        tokenizer: optional; needed for text prompts and ``.text`` in the outputs.
+        backend: attention backend ("auto", "triton", "flashinfer", "reference").
+        block_size: tokens per KV block.
+        max_num_seqs: most sequences per step (also the largest CUDA-graph bucket).
+        max_model_len: longest sequence (prompt + generated); default from the model, capped.
+        num_blocks: KV blocks; default from free GPU memory after a warm-up forward times
+            ``gpu_memory_utilization`` on CUDA, a 1 GiB budget on CPU.
+        compile: compile the forward with ``torch.compile(fullgraph=True)``.
+        cuda_graphs: replay decode steps from CUDA graphs (CUDA only).
+        prefix_caching: share KV blocks of common prompt prefixes.
+
+    Example:
+        >>> llm = LLM(model, tokenizer)
+        >>> out = llm.generate(["Hello"], SamplingParams(max_new_tokens=16))[0]
+        >>> out.text, out.finish_reason, llm.last_metrics.tokens_per_s
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any | None = None,
+        *,
+        backend: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        num_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        compile: bool = True,
+        cuda_graphs: bool = True,
+        prefix_caching: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
+        t0 = time.perf_counter()
+        model.eval()
+        self.model, self.tokenizer = model, tokenizer
+        self.pa = self._patched(
+            model, backend, block_size, max_num_seqs, max_model_len, num_blocks,
+            gpu_memory_utilization,
+        )  # fmt: skip
+        self.vocab_size = int(model.config.vocab_size)
+        gen_cfg = getattr(model, "generation_config", None)
+        self.eos_ids = _token_ids(getattr(gen_cfg, "eos_token_id", None)) or _token_ids(
+            getattr(model.config, "eos_token_id", None)
+        )
+        if not self.eos_ids and tokenizer is not None:
+            self.eos_ids = _token_ids(getattr(tokenizer, "eos_token_id", None))
+        builder = self.pa.builder
+        self.scheduler = Scheduler(
+            self.pa.allocator,
+            max_num_seqs=builder.max_num_seqs,
+            max_num_tokens=builder.max_num_tokens,
+            max_model_len=self.pa.max_model_len,
+            prefix_caching=prefix_caching,
+        )
+        self.runner = ModelRunner(model, self.pa, compile=compile, cuda_graphs=cuda_graphs)
+        self.runner.warm_up()
+        self.warmup_s = time.perf_counter() - t0
+        self.last_metrics = GenerationMetrics()
+        self._next_id = 0
+        self._rng = random.Random()
+
+    @staticmethod
+    def _patched(
+        model: nn.Module,
+        backend: str,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int | None,
+        num_blocks: int | None,
+        util: float,
+    ) -> PagedAttention:
+        from paged_ops.integrations import transformers as hf
+
+        state = model.__dict__.get(hf._STATE_ATTR)
+        if state is not None:
+            return state[1]  # patched by the caller: use its cache as configured
+        if max_model_len is None:
+            max_pos = getattr(model.config, "max_position_embeddings", None)
+            max_model_len = min(max_pos or hf.DEFAULT_MAX_MODEL_LEN, hf.DEFAULT_MAX_MODEL_LEN)
+        device = next(model.parameters()).device
+        if num_blocks is None and device.type == "cuda":
+            num_blocks = _profile_num_blocks(
+                model,
+                block_size=block_size,
+                max_num_tokens=max(max_model_len, max_num_seqs),
+                max_num_seqs=max_num_seqs,
+                util=util,
+            )
+        elif num_blocks is None:
+            cfg, dtype = model.config, next(model.parameters()).dtype
+            per_block = KVCache.bytes_per_block(
+                num_layers=cfg.num_hidden_layers,
+                block_size=block_size,
+                num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                head_dim=getattr(cfg, "head_dim", None)
+                or cfg.hidden_size // cfg.num_attention_heads,
+                dtype=dtype,
+            )
+            want = max_num_seqs * blocks_needed(max_model_len, block_size)
+            num_blocks = max(min(want, _CPU_KV_BYTES // per_block), 1)
+        return hf.patch_model(
+            model,
+            backend=backend,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+        )
+
+    # ---- input checks (all before any work) ----
+
+    def _encode(self, prompt: Any, index: int) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError(
+                    f"prompt {index} is text but the LLM has no tokenizer; pass token id lists "
+                    "or LLM(model, tokenizer)"
+                )
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, (list, tuple)) or (
+            isinstance(prompt, torch.Tensor) and prompt.dim() == 1
+        ):
+            ids = [int(t) for t in prompt]
+        else:
+            raise TypeError(
+                f"prompt {index} must be a str or a list of token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError(f"prompt {index} is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {index} has token ids {bad[:5]} outside [0, {self.vocab_size})"
+            )
+        return ids
+
+    def _make_sequences(
+        self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[Seq]:
+        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a list of str or a list of token-id lists")
+        if params is None:
+            params = SamplingParams()
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"params {i} must be SamplingParams, got {type(p).__name__}")
+            ids = self._encode(prompt, i)
+            self.scheduler.check_fits(len(ids), p)
+            stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_ids)
+            seed = p.seed if p.seed is not None else self._rng.getrandbits(32)
+            seqs.append(Seq(self._next_id + i, len(ids), ids, p, seed, frozenset(stops)))
+        self._next_id += len(seqs)
+        return seqs
+
+    # ---- the loop ----
+
+    def _run(self, seqs: list[Seq], metrics: GenerationMetrics) -> Iterator[list[Seq]]:
+        """Step until every sequence has finished; yields the sequences that advanced each step."""
+        sched = self.scheduler
+        preempted0, cached0 = sched.num_preemptions, sched.num_cached_blocks
+        for seq in seqs:
+            sched.add(seq)
+        try:
+            while sched.has_work():
+                batch = sched.schedule()
+                if not batch.seqs:
+                    raise RuntimeError("the scheduler made no progress (KV cache too small?)")
+                logits = self.runner.execute(batch)  # [S, V]
+                sampling = SamplingBatch(
+                    temperatures=[s.params.temperature for s in batch.seqs],
+                    top_ks=[s.params.top_k for s in batch.seqs],
+                    top_ps=[s.params.top_p for s in batch.seqs],
+                    seeds=[s.seed for s in batch.seqs],
+                    steps=[s.num_generated for s in batch.seqs],
+                )
+                tokens = sample(logits, sampling).tolist()  # the one host sync of the step
+                metrics.num_steps += 1
+                metrics.num_decode_steps += batch.is_decode
+                yield sched.postprocess(batch, tokens)
+        finally:
+            sched.abort_all()  # a stream closed early leaves nothing behind
+            metrics.num_preemptions = sched.num_preemptions - preempted0
+            metrics.num_cached_tokens = (sched.num_cached_blocks - cached0) * self.pa.block_size
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        Args:
+            prompts: text (needs a tokenizer) or token-id lists.
+            params: one SamplingParams for all, or one per prompt (default ``SamplingParams()``).
+            use_tqdm: show a progress bar (when tqdm is installed and there are several prompts).
+        """
+        seqs = self._make_sequences(prompts, params)
+        outputs = [RequestOutput(prompt_token_ids=list(s.tokens)) for s in seqs]
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        metrics = GenerationMetrics(num_requests=len(seqs))
+        metrics.num_prompt_tokens = sum(s.prompt_len for s in seqs)
+        bar = _progress_bar(len(seqs)) if use_tqdm and len(seqs) > 1 else None
+        start = time.perf_counter()
+        for advanced in self._run(seqs, metrics):
+            now = time.perf_counter()
+            for seq in advanced:
+                out = outputs[index[seq.seq_id]]
+                metrics.num_generated_tokens += 1
+                if out.time_to_first_token is None:
+                    out.time_to_first_token = now - start
+                if seq.finish_reason is not None and bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(tok_s=f"{metrics.num_generated_tokens / (now - start):.0f}")
+        if bar is not None:
+            bar.close()
+        metrics.elapsed_s = time.perf_counter() - start
+        for seq, out in zip(seqs, outputs, strict=True):
+            out.token_ids, out.finish_reason = seq.output_ids, seq.finish_reason
+            out.num_preemptions, out.num_cached_tokens = seq.num_preemptions, seq.num_cached_tokens
+            if self.tokenizer is not None:
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        metrics.mean_time_to_first_token_s = sum(o.time_to_first_token for o in outputs) / len(
+            outputs
+        )
+        self.last_metrics = metrics
+        return outputs
+
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> Iterator[StreamChunk]:
+        """Yield each new token (and its text, with a tokenizer) as soon as it is sampled."""
+        (seq,) = self._make_sequences([prompt], params)
+        metrics = GenerationMetrics(num_requests=1, num_prompt_tokens=seq.prompt_len)
+        start, shown = time.perf_counter(), ""
+        for advanced in self._run([seq], metrics):
+            if not advanced:
+                continue  # a prompt chunk
+            if metrics.num_generated_tokens == 0:
+                metrics.mean_time_to_first_token_s = time.perf_counter() - start
+            metrics.num_generated_tokens += 1
+            metrics.elapsed_s = time.perf_counter() - start
+            self.last_metrics = metrics
+            text = None
+            if self.tokenizer is not None:
+                full = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+                if not full.endswith("\ufffd"):  # hold back an incomplete multi-byte character
+                    text, shown = full[len(shown) :], full
+                else:
+                    text = ""
+            yield StreamChunk(seq.tokens[-1], text, seq.finish_reason)
+
+
+def _progress_bar(total: int) -> Any | None:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="generate", unit="req")

@@ -1,0 +1,143 @@
+"""Runs one scheduled step on the patched model: metadata, forward (compiled / graph-replayed), logits.
+
+Two paths:
+
+- **Graphed decode** (CUDA, ``cuda_graphs=True``, every sequence adds one token): the step is padded
+  to a batch-size bucket and a CUDA graph captured for that bucket is replayed. All graphs share one
+  memory pool. Their inputs are static: ``input_ids`` is a persistent buffer, and the metadata
+  tensors (positions, slot mapping, block table, ...) are views of the builder's persistent buffers,
+  refilled by ``prepare_slices`` before each replay.
+- **Eager/compiled** (prefill, mixed and large batches, CPU): the model forward, compiled once with
+  ``torch.compile(fullgraph=True, dynamic=True)`` when ``compile=True``. The step is padded to at
+  least two tokens and two sequences so that sizes 0/1 never specialise the trace, and duck sizing
+  is off so that ``T == S`` in one step does not become a guard that the next step breaks: after the
+  first compile there are no recompiles.
+
+The LM head runs only for each sequence's last token (``logits_to_keep=md.logits_indices``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from paged_ops.engine.scheduler import ScheduledBatch
+from paged_ops.metadata import SequenceSlice
+from paged_ops.module import PagedAttention
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes that get a CUDA graph: 2, 4, 8, 16, 32, then multiples of 32."""
+    sizes = [b for b in (2, 4, 8, 16) if b < max_num_seqs]
+    sizes += list(range(32, max_num_seqs, 32))
+    return sorted(set(sizes + [max(max_num_seqs, 2)]))
+
+
+def _no_duck_shapes():  # returns a context manager
+    from torch.fx.experimental import _config as fx_config
+
+    return fx_config.patch(use_duck_shape=False)
+
+
+class ModelRunner:
+    """Owns the forward of a patched model: compiled function, CUDA graphs and input buffers.
+
+    Args:
+        model: a model patched by ``patch_model`` (runs on packed ``[1, T]`` inputs).
+        pa: its PagedAttention.
+        compile: compile the forward with ``torch.compile(fullgraph=True, dynamic=True)``.
+        cuda_graphs: capture decode steps per batch-size bucket (CUDA only).
+    """
+
+    def __init__(
+        self, model: nn.Module, pa: PagedAttention, *, compile: bool, cuda_graphs: bool
+    ) -> None:
+        self.model, self.pa = model, pa
+        self.device = pa.kv_cache.device
+        self.max_num_tokens = pa.builder.max_num_tokens
+        self.max_num_seqs = pa.builder.max_num_seqs
+        on_cuda = self.device.type == "cuda"
+        # [T_max] the step's token ids; a persistent buffer so graphs replay without input copies
+        self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=self.device)
+        self._host_ids = torch.zeros(self.max_num_tokens, dtype=torch.int64, pin_memory=on_cuda)
+        self._compiled = compile
+        self._forward: Callable[..., torch.Tensor] = self._model_forward
+        if compile:
+            self._forward = torch.compile(self._model_forward, fullgraph=True, dynamic=True)
+        self.use_graphs = cuda_graphs and on_cuda
+        self.buckets = graph_buckets(self.max_num_seqs) if self.use_graphs else []
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _model_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        # input_ids, positions: [T]; logits_indices: [S] -> logits [S, V]
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=logits_indices,
+        )
+        return out.logits[0]
+
+    def _call(self, num_tokens: int) -> torch.Tensor:
+        md = self.pa.metadata
+        args = (self.input_ids[:num_tokens], md.positions, md.logits_indices)
+        if self._compiled:
+            with _no_duck_shapes():
+                return self._forward(*args)
+        return self._forward(*args)
+
+    def _load_ids(self, ids: list[int], num_tokens: int) -> None:
+        # The previous step's sampled ids were read on the host, so the last copy has finished.
+        n = len(ids)
+        self._host_ids[:n] = torch.tensor(ids, dtype=torch.int64)
+        self._host_ids[n:num_tokens] = 0
+        self.input_ids[:num_tokens].copy_(self._host_ids[:num_tokens], non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run one step; returns the logits of each sequence's last new token, ``[S, V]``."""
+        num_seqs = len(batch.seqs)
+        if self.use_graphs and batch.is_decode and num_seqs <= self.buckets[-1]:
+            bucket = next(b for b in self.buckets if b >= num_seqs)
+            self.pa.prepare_slices(batch.slices, num_tokens=bucket, num_seqs=bucket)
+            self._load_ids(batch.input_ids, bucket)
+            graph, logits = self._graphs[bucket]
+            graph.replay()
+            return logits[:num_seqs]
+        num_tokens = max(batch.num_tokens, 2)
+        padded_seqs = min(max(num_seqs, 2), self.max_num_seqs)
+        self.pa.prepare_slices(batch.slices, num_tokens=num_tokens, num_seqs=padded_seqs)
+        self._load_ids(batch.input_ids, num_tokens)
+        return self._call(num_tokens)[:num_seqs]
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile the forward for prefill and decode shapes, then capture the decode graphs.
+
+        Uses only KV block 0 (nobody holds blocks yet), so it must run before any request.
+        """
+        for tokens, seqs in ((min(16, self.max_num_tokens), 2), (2, 2)):
+            n = tokens // seqs
+            slices = [SequenceSlice([0] * -(-n // self.pa.block_size), 0, n)] * seqs
+            self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
+            self._load_ids([0] * tokens, tokens)
+            self._call(tokens)
+        if not self.use_graphs:
+            return
+        pool = None
+        for bucket in reversed(self.buckets):  # largest first: later graphs reuse its pool
+            slices = [SequenceSlice([0], 0, 1)] * bucket
+            self.pa.prepare_slices(slices, num_tokens=bucket, num_seqs=bucket)
+            self._load_ids([0] * bucket, bucket)
+            self._call(bucket)  # warm-up run (compiles / autotunes outside the capture)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._call(bucket)  # [bucket, V]
+            pool = graph.pool()
+            self._graphs[bucket] = (graph, logits)
+        torch.cuda.synchronize(self.device)

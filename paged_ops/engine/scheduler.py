@@ -1,0 +1,265 @@
+"""Continuous batching: which sequences run in a step, with how many tokens, in which KV blocks.
+
+Each step has a token budget (``max_num_tokens``) and a seat limit (``max_num_seqs``). Running
+sequences go first, oldest first: a decoding one adds its last token, one still in its prompt adds
+the next chunk that fits the budget (chunked prefill, mixed with the decodes). Waiting sequences
+join in arrival order while budget, seats and blocks last; finished ones leave after every step.
+
+When the KV blocks run out, the newest running sequence is preempted: its blocks are freed and it
+goes back to the front of the queue with everything it has generated, to be recomputed (prompt +
+generated tokens re-prefilled) later. No request is lost or cut short.
+
+Prefix caching: once a block is full, it is registered with the allocator under a hash chained over
+the previous block's hash and this block's token ids (so equal hashes mean equal whole prefixes).
+A sequence that joins looks its full blocks up and shares the hits instead of recomputing them; it
+always keeps at least one token to compute, so the step has logits to sample from. Blocks filled by
+generated tokens are registered as well, which makes a preempted sequence's recompute cheap.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from paged_ops.cache import BlockAllocator, blocks_needed
+from paged_ops.engine.params import SamplingParams
+from paged_ops.metadata import SequenceSlice
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the engine tracks it (host side only)."""
+
+    seq_id: int  # arrival order: higher is newer
+    prompt_len: int
+    tokens: list[int]  # prompt + generated so far
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    num_computed: int = 0  # leading tokens whose K/V is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hash per registered full block
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass
+class ScheduledBatch:
+    """One step: the sequences, their slices for ``prepare_slices`` and the packed new tokens."""
+
+    seqs: list[Sequence]
+    num_new: list[int]
+    slices: list[SequenceSlice]
+    input_ids: list[int]  # [T] the new tokens, sequence-major
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.num_new)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+class Scheduler:
+    """Owns the block allocator's bookkeeping for every sequence and picks each step's batch.
+
+    Args:
+        allocator: the KV block allocator (of the model's PagedAttention).
+        max_num_seqs: most sequences in one step.
+        max_num_tokens: token budget of one step (>= max_num_seqs, so every decode fits).
+        max_model_len: longest sequence, prompt + generated.
+        prefix_caching: share full blocks between sequences with a common prefix.
+    """
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        *,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_model_len: int,
+        prefix_caching: bool = True,
+    ) -> None:
+        if max_num_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_tokens ({max_num_tokens}) must be >= max_num_seqs ({max_num_seqs})"
+            )
+        self.allocator, self.block_size = allocator, allocator.block_size
+        self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
+        self.max_model_len, self.prefix_caching = max_model_len, prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by seq_id: oldest first
+        self.num_preemptions = 0
+        self.num_cached_blocks = 0
+        self.num_prefill_chunks = 0  # prompt chunks that stopped short of the end of the prompt
+
+    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raise ``ValueError`` for a request that could never run, before any work starts."""
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {prompt_len} tokens; max_model_len={self.max_model_len} leaves room "
+                f"for prompts of at most {self.max_model_len - 1} tokens"
+            )
+        longest = min(prompt_len + params.max_new_tokens, self.max_model_len)
+        if blocks_needed(longest, self.block_size) > self.allocator.num_blocks:
+            raise ValueError(
+                f"a request of {longest} tokens needs {blocks_needed(longest, self.block_size)} KV "
+                f"blocks but the cache has {self.allocator.num_blocks}; raise num_blocks"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort_all(self) -> None:
+        """Drop every unfinished sequence and free its blocks (a stream closed early)."""
+        for seq in [*self.running, *self.waiting]:
+            self._drop_blocks(seq)
+            seq.status = SeqStatus.FINISHED
+        self.running.clear()
+        self.waiting.clear()
+
+    # ---- one step ----
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick the next step's sequences and give them the blocks their new tokens need."""
+        budget = self.max_num_tokens
+        picked: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            need = blocks_needed(seq.num_computed + n, self.block_size) - len(seq.block_ids)
+            while not self.allocator.can_allocate(need):
+                victim = self.running[-1]  # the newest; never one already picked (those are < i)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            seq.block_ids += self.allocator.allocate(need)
+            picked.append((seq, n))
+            budget -= n
+            i += 1
+        # Newcomers join only when nobody had to be preempted (else they would evict each other).
+        while not preempted and self.waiting and budget > 0:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            if not seq.block_ids and self.prefix_caching:
+                self._attach_cached_prefix(seq)
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            need = blocks_needed(seq.num_computed + n, self.block_size) - len(seq.block_ids)
+            if not self.allocator.can_allocate(need):
+                self._drop_blocks(seq)
+                break
+            seq.block_ids += self.allocator.allocate(need)
+            seq.num_cached_tokens += seq.num_computed  # what the prefix cache gave
+            self.num_cached_blocks += seq.num_computed // self.block_size
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+            picked.append((seq, n))
+            budget -= n
+        slices, input_ids = [], []
+        for seq, n in picked:
+            self.num_prefill_chunks += seq.num_computed + n < len(seq.tokens)
+            slices.append(SequenceSlice(seq.block_ids, seq.num_computed, n))
+            input_ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n])
+        return ScheduledBatch(
+            seqs=[s for s, _ in picked],
+            num_new=[n for _, n in picked],
+            slices=slices,
+            input_ids=input_ids,
+        )
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+        """Account for a step that ran: append sampled tokens, finish and free sequences.
+
+        ``sampled[i]`` is the token drawn for ``batch.seqs[i]``; it is dropped for a sequence whose
+        step was a prompt chunk that did not reach the end of its known tokens. Returns the
+        sequences that got a new token this step.
+        """
+        advanced = []
+        for seq, n, token in zip(batch.seqs, batch.num_new, sampled, strict=True):
+            seq.num_computed += n
+            if self.prefix_caching:
+                self._register_full_blocks(seq)
+            if seq.num_computed < len(seq.tokens):
+                continue  # a prompt chunk: more of the prompt to go before sampling
+            seq.tokens.append(token)
+            advanced.append(seq)
+            reason = None
+            if token in seq.stop_ids:
+                reason = "stop"
+            elif (
+                seq.num_generated >= seq.params.max_new_tokens
+                or len(seq.tokens) >= self.max_model_len
+            ):
+                reason = "length"
+            if reason is not None:
+                seq.finish_reason, seq.status = reason, SeqStatus.FINISHED
+                self.running.remove(seq)
+                self._drop_blocks(seq)
+        return advanced
+
+    # ---- helpers ----
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and queue it first for recompute (prompt + generated)."""
+        self.running.remove(seq)
+        self._drop_blocks(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        # Registered blocks keep their hashes on the free list: a later lookup can revive them.
+        self.allocator.free(seq.block_ids)
+        seq.block_ids, seq.block_hashes, seq.num_computed = [], [], 0
+
+    def _block_hash(self, seq: Sequence, j: int) -> int:
+        prev = seq.block_hashes[j - 1] if j else None
+        return hash((prev, tuple(seq.tokens[j * self.block_size : (j + 1) * self.block_size])))
+
+    def _attach_cached_prefix(self, seq: Sequence) -> None:
+        # Leave at least one token to compute so that the step produces logits for this sequence.
+        for j in range((len(seq.tokens) - 1) // self.block_size):
+            h = self._block_hash(seq, j)
+            block = self.allocator.lookup_prefix(h)  # takes a reference on a hit
+            if block is None:
+                break
+            seq.block_ids.append(block)
+            seq.block_hashes.append(h)
+        seq.num_computed = len(seq.block_ids) * self.block_size
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        while len(seq.block_hashes) < seq.num_computed // self.block_size:
+            j = len(seq.block_hashes)
+            h = self._block_hash(seq, j)
+            self.allocator.register_prefix(seq.block_ids[j], h)
+            seq.block_hashes.append(h)
