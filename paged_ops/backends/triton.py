@@ -1,0 +1,242 @@
+"""Triton backend: KV-write kernel and one unified paged-attention kernel (+ split-KV reduce).
+
+Runs on CUDA GPUs, and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set before
+this module is imported), which is how CI tests the kernels. Head sizes 1..256 (padded to a power of
+two of at least 16 inside the kernels), any GQA group, any block size, float16/bfloat16/float32
+(float32 uses IEEE dots, not TF32), sliding window, softcap, sinks and ALiBi.
+
+Every launch decision reads shapes only (``T``, ``S``, the block-table width), never tensor values,
+so a call is free of host syncs and can be compiled and CUDA-graph captured; a captured graph keeps
+the tiles and the split-KV choice of its batch bucket. The kernels and their grids are described in
+:mod:`paged_ops.backends.triton_kernels`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from paged_ops.backends import LayerSpec
+from paged_ops.backends import triton_kernels as kernels
+
+MAX_HEAD_DIM = 256
+MAX_SEGMENTS = 16
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def is_available() -> bool:
+    return torch.cuda.is_available() or _interpreting()
+
+
+def unsupported_reason(spec: LayerSpec, device: torch.device) -> str | None:
+    device = torch.device(device)
+    if device.type == "cpu" and not _interpreting():
+        return (
+            "it runs on CUDA GPUs, or on CPU only under the Triton interpreter (TRITON_INTERPRET=1)"
+        )
+    if device.type not in ("cuda", "cpu"):
+        return f"it runs on CUDA GPUs, not on {device.type}"
+    if not 1 <= spec.head_dim <= MAX_HEAD_DIM:
+        return f"head size {spec.head_dim} is outside 1..{MAX_HEAD_DIM}"
+    if device.type == "cpu" and spec.dtype == torch.bfloat16:
+        return "the Triton interpreter computes bfloat16 dots wrongly; use float16/float32 on CPU"
+    return None
+
+
+def _d_pad(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    kernels.write_kv_kernel[(num_tokens, num_kv_heads)](
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *kv_cache.stride(),
+        kv_cache.shape[2],
+        head_dim,
+        D_PAD=_d_pad(head_dim),
+    )
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tiles and split of one attention launch, chosen from shapes only."""
+
+    block_m: int  # rows of the M tile: block_q query tokens x the GQA group
+    block_q: int
+    tile_n: int  # KV positions per inner-loop step
+    num_segments: int  # 1 = one pass; > 1 = split-KV + reduce
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_config(
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_kv_len: int,
+    num_sms: int,
+    num_segments: int | None = None,
+) -> LaunchConfig:
+    """Pick tiles and split-KV from the step's shapes (``T``, ``S``) and the block-table capacity.
+
+    Decode-like steps (``T <= 2 S``) use a 16-row M tile (one or a few tokens x the group); prefill
+    and mixed steps a 64-row tile. When the one-pass grid would leave most SMs idle (small decode
+    batches), the KV range is split into up to 16 segments. ``num_segments`` forces the split.
+    """
+    group = num_q_heads // num_kv_heads
+    decode_like = num_tokens <= 2 * num_seqs
+    block_m = max(16 if decode_like else 64, triton.next_power_of_2(group))
+    block_q = block_m // group
+    d_pad = _d_pad(head_dim)
+    tile_n = 64 if d_pad <= 128 else 32
+    if num_segments is None:
+        programs = (num_tokens // block_q + num_seqs + 1) * num_kv_heads
+        kv_tiles = triton.cdiv(max(max_kv_len, 1), tile_n)
+        num_segments = 1
+        if programs < num_sms and kv_tiles >= 4:
+            want = triton.cdiv(2 * num_sms, programs)
+            num_segments = min(MAX_SEGMENTS, triton.next_power_of_2(want), kv_tiles // 2)
+            num_segments = 1 << (num_segments.bit_length() - 1)  # a power of two for tl.arange
+    if num_segments < 1 or num_segments & (num_segments - 1):
+        raise ValueError(f"num_segments must be a power of two >= 1, got {num_segments}")
+    num_warps = 4 if block_m * d_pad <= 64 * 128 else 8
+    return LaunchConfig(block_m, block_q, tile_n, num_segments, num_warps, num_stages=2)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
+    cu_seqlens_q: torch.Tensor,  # [S+1] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    block_table: torch.Tensor,  # [S, W] int32
+    *,
+    scale: float,
+    causal: bool,
+    window: int,  # <= 0: off
+    softcap: float,  # <= 0: off
+    sinks: torch.Tensor | None,  # [Hq] fp32
+    alibi_slopes: torch.Tensor | None,  # [Hq] fp32
+    plan_handle: int = -1,
+    num_segments: int | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Paged attention with the op contract's semantics; ``num_segments`` forces split-KV (tests)."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
+    if num_tokens == 0:
+        return out
+    cfg = launch_config(
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_kv_len=block_table.shape[1] * block_size,
+        num_sms=_num_sms(query.device),
+        num_segments=num_segments,
+    )
+    d_pad = _d_pad(head_dim)
+    nseg = cfg.num_segments
+    if nseg > 1:
+        # fp32 partials: unnormalised output, running max (log2 units) and sum per segment
+        part_acc = torch.empty(
+            num_tokens, num_q_heads, nseg, d_pad, dtype=torch.float32, device=query.device
+        )
+        part_m = torch.empty(
+            num_tokens, num_q_heads, nseg, dtype=torch.float32, device=query.device
+        )
+        part_l = torch.empty_like(part_m)
+        target = part_acc
+    else:
+        part_m = part_l = target = out
+    dummy = cu_seqlens_q  # stands in for absent optional tensors (never read)
+    grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads, nseg)
+    kernels.paged_attention_kernel[grid](
+        target,
+        part_m,
+        part_l,
+        query,
+        kv_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        sinks if sinks is not None else dummy,
+        alibi_slopes if alibi_slopes is not None else dummy,
+        float(scale),
+        float(softcap),
+        int(window),
+        num_seqs,
+        num_tokens,
+        num_q_heads,
+        block_size,
+        head_dim,
+        out.stride(0),
+        out.stride(1),
+        *query.stride(),
+        *kv_cache.stride(),
+        block_table.stride(0),
+        GROUP=num_q_heads // num_kv_heads,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=cfg.block_m,
+        TILE_N=cfg.tile_n,
+        D_PAD=d_pad,
+        CAUSAL=bool(causal),
+        USE_WINDOW=window > 0,
+        USE_SOFTCAP=softcap > 0,
+        USE_SINKS=sinks is not None,
+        USE_ALIBI=alibi_slopes is not None,
+        NUM_SEGMENTS=nseg,
+        IEEE_DOT=query.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if nseg > 1:
+        kernels.reduce_segments_kernel[(num_tokens, num_q_heads)](
+            out,
+            part_acc,
+            part_m,
+            part_l,
+            cu_seqlens_q,
+            sinks if sinks is not None else dummy,
+            num_seqs,
+            num_q_heads,
+            head_dim,
+            out.stride(0),
+            out.stride(1),
+            NUM_SEGMENTS=nseg,
+            D_PAD=d_pad,
+            USE_SINKS=sinks is not None,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,291 @@
+"""Triton kernels of the triton backend: KV write, unified paged attention, split-KV reduce.
+
+Launch logic lives in :mod:`paged_ops.backends.triton`; this module only defines kernels. Layouts
+(ARCHITECTURE.md): query ``[T, Hq, D]``, kv_cache ``[N, 2, B, Hkv, D]``, ``cu_seqlens_q [S+1]``,
+``seq_lens [S]``, ``block_table [S, W]`` (int32). Every stride is passed, so views work.
+
+The attention kernel is "unified": one program serves a *query block* of ``BLOCK_Q`` consecutive
+query tokens of one sequence times the ``GROUP`` query heads that share one KV head, packed into the
+``BLOCK_M = BLOCK_Q * GROUP`` rows of the M tile (GQA packing: each K/V tile is loaded once for the
+whole group). Prefill, decode and mixed batches are the same code; only the tile sizes differ.
+The grid is an upper bound computed from shapes (``T // BLOCK_Q + S + 1``), and each program finds
+its sequence by binary search over ``cu_seqlens_q[s] // BLOCK_Q + s`` (the first query-block index
+of sequence ``s``), so no host sync is needed to size it. Spare programs past the last sequence
+write zeros into padded query rows, so every output row is finite.
+
+With ``NUM_SEGMENTS > 1`` (split-KV, for small batches over long contexts) each program handles one
+segment of its KV tiles and writes an unnormalised partial result, its running max and its sum;
+``reduce_segments_kernel`` merges the segments (and the attention sink) into the output.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def write_kv_kernel(
+    key_ptr,  # [T, Hkv, D]
+    value_ptr,  # [T, Hkv, D]
+    cache_ptr,  # [N, 2, B, Hkv, D]
+    slot_ptr,  # [T] int64, -1 = skip
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_cn,
+    stride_ckv,
+    stride_cb,
+    stride_ch,
+    stride_cd,
+    block_size,
+    head_dim,
+    D_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    offs_d = tl.arange(0, D_PAD)
+    # (slot broadcast to a block first: the interpreter rejects a scalar & block mask)
+    mask = (offs_d < head_dim) & (offs_d * 0 + slot >= 0)
+    blk = slot // block_size
+    dst = cache_ptr + blk * stride_cn + (slot % block_size) * stride_cb + head * stride_ch
+    dst = dst + offs_d * stride_cd
+    src = token.to(tl.int64)
+    k = tl.load(key_ptr + src * stride_kt + head * stride_kh + offs_d * stride_kd, mask=mask)
+    v = tl.load(value_ptr + src * stride_vt + head * stride_vh + offs_d * stride_vd, mask=mask)
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + stride_ckv, v, mask=mask)
+
+
+@triton.jit
+def _find_seq(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest ``s`` with ``cu[s] // BLOCK_Q + s <= target`` (the sequence of query block target)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_ptr + mid) // BLOCK_Q + mid
+        if start <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp2 of a non-positive argument (no overflow); the interpreter has no libdevice.
+    t = tl.exp2(-2.0 * LOG2E * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    # float32 inputs: exact IEEE products (Triton's default would round them to TF32)
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr,  # [T, Hq, D] (NUM_SEGMENTS == 1) or partial acc [T, Hq, NUM_SEGMENTS, D_PAD] fp32
+    part_m_ptr,  # [T, Hq, NUM_SEGMENTS] fp32 running max (log2 units); unused if NUM_SEGMENTS == 1
+    part_l_ptr,  # [T, Hq, NUM_SEGMENTS] fp32 running sum
+    q_ptr,  # [T, Hq, D]
+    cache_ptr,  # [N, 2, B, Hkv, D]
+    cu_ptr,  # [S+1] int32
+    seq_lens_ptr,  # [S] int32
+    block_table_ptr,  # [S, W] int32
+    sinks_ptr,  # [Hq] fp32
+    alibi_ptr,  # [Hq] fp32
+    scale,
+    softcap,
+    window,
+    num_seqs,
+    num_tokens,
+    num_q_heads,
+    block_size,
+    head_dim,
+    stride_ot,
+    stride_oh,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_cn,
+    stride_ckv,
+    stride_cb,
+    stride_ch,
+    stride_cd,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < head_dim
+    head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M] query head of each row
+
+    # Spare programs (past every sequence's query blocks) zero the padded query rows.
+    tail = pid - (tl.load(cu_ptr + num_seqs) // BLOCK_Q + num_seqs)
+    if tail >= 0:
+        if NUM_SEGMENTS == 1:
+            tok = tl.load(cu_ptr + num_seqs) + tail * BLOCK_Q + offs_m // GROUP
+            pad_mask = (offs_m < BLOCK_Q * GROUP) & (tok < num_tokens)
+            ptrs = out_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
+            zeros = tl.zeros([BLOCK_M, D_PAD], dtype=out_ptr.dtype.element_ty)
+            tl.store(ptrs + offs_d[None, :], zeros, mask=pad_mask[:, None] & d_mask[None, :])
+        return
+
+    seq = _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_ptr + seq)
+    q_len = tl.load(cu_ptr + seq + 1) - q_start
+    local = pid - (q_start // BLOCK_Q + seq)  # query block index inside the sequence
+    if local * BLOCK_Q >= q_len:
+        return
+    kv_len = tl.load(seq_lens_ptr + seq)
+    context = kv_len - q_len  # absolute position of the sequence's first query token
+
+    q_idx = local * BLOCK_Q + offs_m // GROUP  # [BLOCK_M] query index inside the sequence
+    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = context + q_idx  # [BLOCK_M] absolute position
+    q_tok = (q_start + q_idx).to(tl.int64)  # [BLOCK_M] row in the packed query
+    q = tl.load(
+        q_ptr
+        + q_tok[:, None] * stride_qt
+        + head[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
+        mask=row_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, D_PAD]
+
+    # KV positions any row of this block can see: [kv_lo, kv_hi).
+    first_pos = context + local * BLOCK_Q
+    last_pos = tl.minimum(first_pos + BLOCK_Q, kv_len) - 1
+    kv_hi = last_pos + 1 if CAUSAL else kv_len
+    kv_lo = tl.maximum(first_pos - window + 1, 0) if USE_WINDOW else 0
+    tile_lo = kv_lo // TILE_N
+    tile_hi = tl.cdiv(kv_hi, TILE_N)
+    if NUM_SEGMENTS > 1:
+        per_segment = tl.cdiv(tile_hi - tile_lo, NUM_SEGMENTS)
+        tile_lo = tile_lo + segment * per_segment
+        tile_hi = tl.minimum(tile_lo + per_segment, tile_hi)
+
+    if USE_SINKS and NUM_SEGMENTS == 1:
+        m_i = tl.load(sinks_ptr + head) * LOG2E  # the sink joins the softmax as one more logit
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_ALIBI:
+        slope = tl.load(alibi_ptr + head)  # [BLOCK_M]
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    kv_base = cache_ptr + kv_head * stride_ch
+
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] KV positions
+        n_valid = offs_n < kv_len
+        blk = tl.load(table_row + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
+        offs_kv = blk * stride_cn + (offs_n % block_size) * stride_cb  # [TILE_N]
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+        k = tl.load(
+            kv_base + offs_kv[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0
+        )  # [TILE_N, D_PAD]
+        v = tl.load(
+            kv_base + stride_ckv + offs_kv[:, None] + offs_d[None, :] * stride_cd,
+            mask=kv_mask,
+            other=0.0,
+        )  # [TILE_N, D_PAD]
+        s = _dot(q, tl.trans(k), IEEE_DOT)
+        s = s * scale  # [BLOCK_M, TILE_N] fp32
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        rel = offs_n[None, :] - q_pos[:, None]  # [BLOCK_M, TILE_N], j - p
+        if USE_ALIBI:
+            s = s + slope[:, None] * rel.to(tl.float32)
+        visible = row_valid[:, None] & n_valid[None, :]
+        if CAUSAL:
+            visible = visible & (rel <= 0)
+        if USE_WINDOW:
+            visible = visible & (rel > -window)
+        s = tl.where(visible, s * LOG2E, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
+        m_i = m_new
+
+    if NUM_SEGMENTS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        ptrs = out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+    else:
+        row = (q_tok * num_q_heads + head) * NUM_SEGMENTS + segment  # [BLOCK_M]
+        tl.store(part_m_ptr + row, m_i, mask=row_valid)
+        tl.store(part_l_ptr + row, l_i, mask=row_valid)
+        ptrs = out_ptr + row[:, None] * D_PAD + offs_d[None, :]
+        tl.store(ptrs, acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def reduce_segments_kernel(
+    out_ptr,  # [T, Hq, D]
+    part_acc_ptr,  # [T, Hq, NUM_SEGMENTS, D_PAD] fp32
+    part_m_ptr,  # [T, Hq, NUM_SEGMENTS] fp32
+    part_l_ptr,  # [T, Hq, NUM_SEGMENTS] fp32
+    cu_ptr,  # [S+1] int32
+    sinks_ptr,  # [Hq] fp32
+    num_seqs,
+    num_q_heads,
+    head_dim,
+    stride_ot,
+    stride_oh,
+    NUM_SEGMENTS: tl.constexpr,
+    D_PAD: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < head_dim
+    dst = out_ptr + token * stride_ot + head * stride_oh + offs_d
+    if token >= tl.load(cu_ptr + num_seqs):  # padded query token: nothing was computed for it
+        tl.store(dst, tl.zeros([D_PAD], dtype=out_ptr.dtype.element_ty), mask=d_mask)
+        return
+    row = (token * num_q_heads + head) * NUM_SEGMENTS
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    m = tl.load(part_m_ptr + row + offs_s)  # [NUM_SEGMENTS]
+    sums = tl.load(part_l_ptr + row + offs_s)
+    m_max = tl.max(m, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head) * LOG2E
+        m_max = tl.maximum(m_max, sink)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # empty segments weigh nothing
+    denom = tl.sum(w * sums, 0)
+    if USE_SINKS:
+        denom += tl.exp2(sink - m_max)
+    acc = tl.load(part_acc_ptr + (row + offs_s)[:, None] * D_PAD + offs_d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / denom  # [D_PAD]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_mask)

@@ -1,0 +1,303 @@
+"""The triton backend against float64 dense attention and the reference backend (CPU interpreter).
+
+Without a GPU the kernels run under Triton's interpreter (conftest sets TRITON_INTERPRET=1), which is
+slow: shapes here are tiny, yet cover every tile path (decode-like 16-row and prefill 64-row M tiles,
+GQA groups that do not divide the tile, 32-wide KV tiles of head size 256, split-KV). bfloat16 dots
+are wrong under the interpreter, so bfloat16 is tested in test_triton_gpu.py.
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from paged_testing import assert_matches_dense, dense_batch_f64, make_batch
+
+import paged_ops
+from paged_ops.backends import LayerSpec, resolve_backend
+from paged_ops.backends import triton as triton_backend
+
+MIXED = [(0, 7), (13, 1), (30, 5), (0, 1), (21, 1)]  # (context_len, q_len): prefill, decode, chunk
+
+
+def run_triton(batch, num_segments=None, **kwargs):
+    """write_kv through the public op, attention through the backend (to force ``num_segments``)."""
+    paged_ops.write_kv(
+        batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend="triton"
+    )
+    if num_segments is None:
+        return paged_ops.paged_attention(
+            batch.query,
+            batch.kv_cache,
+            batch.cu_seqlens_q,
+            batch.seq_lens,
+            batch.block_table,
+            backend="triton",
+            **kwargs,
+        )
+    return triton_backend.paged_attention(
+        batch.query,
+        batch.kv_cache,
+        batch.cu_seqlens_q,
+        batch.seq_lens,
+        batch.block_table,
+        scale=kwargs.get("scale", batch.query.shape[2] ** -0.5),
+        causal=kwargs.get("causal", True),
+        window=kwargs.get("sliding_window") or 0,
+        softcap=kwargs.get("softcap") or 0.0,
+        sinks=kwargs.get("sinks"),
+        alibi_slopes=kwargs.get("alibi_slopes"),
+        num_segments=num_segments,
+    )
+
+
+def dense_kwargs(head_dim, kwargs):
+    kwargs = dict(kwargs)
+    out = {
+        "scale": kwargs.pop("scale", head_dim**-0.5),
+        "window": kwargs.pop("sliding_window", None),
+    }
+    out.update(kwargs)
+    return out
+
+
+def assert_padding_rows_zero(out, batch):
+    real = int(batch.cu_seqlens_q[-1])
+    assert (out[real:] == 0).all(), "padded query rows must be written (zeros), not left as garbage"
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [40, 64])
+def test_mixed_batch_matches_dense_f64(block_size, group, head_dim):
+    batch = make_batch(
+        MIXED,
+        num_q_heads=2 * group,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=block_size,
+        pad_tokens=3,
+        pad_seqs=2,
+        seed=head_dim + group,
+    )
+    out = run_triton(batch)
+    assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
+    assert_matches_dense(out, batch, dense_batch_f64(batch, scale=head_dim**-0.5), rtol=1e-5)
+    assert_padding_rows_zero(out, batch)
+
+
+FEATURES = {
+    "plain": {},
+    "sliding_window": dict(sliding_window=6),
+    "softcap": dict(softcap=5.0, scale=0.3),
+    "sinks": dict(sinks=torch.linspace(-1.0, 2.0, 8)),
+    "alibi": dict(alibi_slopes=torch.tensor([2.0 ** -(i + 1) for i in range(8)])),
+    "non_causal": dict(causal=False),
+    "non_causal_window": dict(causal=False, sliding_window=4),
+    "everything": dict(
+        sliding_window=9, softcap=3.0, sinks=torch.linspace(0.5, -1.0, 8), scale=0.2
+    ),
+}
+
+
+@pytest.mark.parametrize("num_segments", [None, 4], ids=["one_pass", "split_kv"])
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_features_match_dense_f64(feature, num_segments):
+    batch = make_batch(
+        MIXED, num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=4, pad_tokens=2, seed=7
+    )
+    out = run_triton(batch, num_segments=num_segments, **FEATURES[feature])
+    expected = dense_batch_f64(batch, **dense_kwargs(32, FEATURES[feature]))
+    assert_matches_dense(out, batch, expected, rtol=1e-5)
+    assert_padding_rows_zero(out, batch)
+
+
+def test_long_prompts_use_prefill_tiles_and_match_dense():
+    # T=95 > 2*S: 64-row M tiles (32 tokens x group 2), several query blocks per sequence.
+    batch = make_batch(
+        [(0, 70), (9, 25)], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16, seed=2
+    )
+    cfg = triton_backend.launch_config(
+        num_tokens=95, num_seqs=2, num_q_heads=4, num_kv_heads=2, head_dim=32, max_kv_len=160,
+        num_sms=1,
+    )  # fmt: skip
+    assert (cfg.block_m, cfg.block_q, cfg.num_segments) == (64, 32, 1)
+    out = run_triton(batch, sliding_window=40)
+    expected = dense_batch_f64(batch, scale=32**-0.5, window=40)
+    assert_matches_dense(out, batch, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "num_q_heads, num_kv_heads, head_dim",
+    [(32, 1, 16), (2, 2, 256), (6, 1, 24)],
+    ids=["group32_one_token_per_block", "head256_narrow_kv_tiles", "group6_padded_rows"],
+)
+def test_unusual_geometries_match_dense_f64(num_q_heads, num_kv_heads, head_dim):
+    batch = make_batch(
+        [(5, 3), (40, 1), (0, 2)],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=8,
+        pad_tokens=1,
+        seed=head_dim,
+    )
+    out = run_triton(batch)
+    assert_matches_dense(out, batch, dense_batch_f64(batch, scale=head_dim**-0.5), rtol=1e-5)
+
+
+def test_float16_matches_dense():
+    batch = make_batch(
+        MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16
+    )
+    out = run_triton(batch, softcap=20.0)
+    assert out.dtype == torch.float16
+    assert_matches_dense(out, batch, dense_batch_f64(batch, scale=0.125, softcap=20.0), rtol=2e-3)
+
+
+def test_split_kv_over_a_long_context_matches_reference():
+    batch = make_batch(
+        [(300, 1), (150, 2), (0, 1)], num_q_heads=4, num_kv_heads=1, head_dim=32, block_size=16
+    )
+    sinks = torch.tensor([0.0, 3.0, -2.0, 1.0])
+    out = run_triton(batch, num_segments=8, sinks=sinks, sliding_window=200)
+    expected = paged_ops.paged_attention(
+        batch.query,
+        batch.kv_cache,
+        batch.cu_seqlens_q,
+        batch.seq_lens,
+        batch.block_table,
+        sinks=sinks,
+        sliding_window=200,
+        backend="reference",
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), min_size=1, max_size=4),
+    block_size=st.sampled_from([1, 2, 16]),
+    group=st.sampled_from([1, 2, 4]),
+    pad_tokens=st.integers(0, 3),
+    pad_seqs=st.integers(0, 2),
+    window=st.one_of(st.none(), st.integers(1, 20)),
+    num_segments=st.sampled_from([None, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_any_batch_composition_matches_dense_f64(
+    seqs, block_size, group, pad_tokens, pad_seqs, window, num_segments, seed
+):
+    batch = make_batch(
+        seqs,
+        num_q_heads=2 * group,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=block_size,
+        pad_tokens=pad_tokens,
+        pad_seqs=pad_seqs,
+        seed=seed,
+    )
+    out = run_triton(batch, num_segments=num_segments, sliding_window=window)
+    expected = dense_batch_f64(batch, scale=16**-0.5, window=window)
+    assert_matches_dense(out, batch, expected, rtol=1e-5)
+    assert_padding_rows_zero(out, batch)
+
+
+def test_write_kv_matches_reference_and_skips_padding():
+    batch = make_batch(
+        [(3, 4), (0, 5)], num_q_heads=2, num_kv_heads=2, head_dim=24, block_size=4, pad_tokens=3
+    )
+    expected = batch.kv_cache.clone()
+    paged_ops.write_kv(
+        batch.new_key, batch.new_value, expected, batch.slot_mapping, backend="reference"
+    )
+    before = batch.kv_cache.clone()
+    paged_ops.write_kv(
+        batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend="triton"
+    )
+    assert not torch.equal(batch.kv_cache, before)
+    torch.testing.assert_close(batch.kv_cache, expected, rtol=0, atol=0)
+
+
+def test_write_kv_into_a_strided_layer_view():
+    # PagedAttention hands each layer a view of one [L, N, 2, B, Hkv, D] allocation.
+    kv = paged_ops.KVCache(num_layers=3, num_blocks=4, block_size=2, num_kv_heads=2, head_dim=16)
+    g = torch.Generator().manual_seed(0)
+    key, value = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    slots = torch.tensor([5, -1, 0])
+    paged_ops.write_kv(key, value, kv.layers[1], slots, backend="triton")
+    assert kv.data[[0, 2]].abs().sum() == 0  # other layers untouched
+    torch.testing.assert_close(kv.layers[1][2, 0, 1], key[0])
+    torch.testing.assert_close(kv.layers[1][0, 1, 0], value[2])
+    assert int((kv.layers[1] != 0).sum()) == 2 * (2 * 2 * 16)  # 2 tokens x (K, V) x [Hkv, D]
+
+
+def test_launch_config_splits_small_decode_batches_only():
+    common = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, num_sms=132)
+    small = triton_backend.launch_config(num_tokens=1, num_seqs=1, max_kv_len=16384, **common)
+    assert small.block_m == 16 and small.num_segments == triton_backend.MAX_SEGMENTS
+    large = triton_backend.launch_config(num_tokens=256, num_seqs=256, max_kv_len=1024, **common)
+    assert large.num_segments == 1
+    short = triton_backend.launch_config(num_tokens=1, num_seqs=1, max_kv_len=64, **common)
+    assert short.num_segments == 1  # one KV tile: nothing to split
+    prefill = triton_backend.launch_config(num_tokens=4096, num_seqs=2, max_kv_len=4096, **common)
+    assert (prefill.block_m, prefill.num_segments) == (64, 1)
+    with pytest.raises(ValueError, match="num_segments must be a power of two >= 1, got 3"):
+        triton_backend.launch_config(
+            num_tokens=1, num_seqs=1, max_kv_len=64, num_segments=3, **common
+        )
+
+
+def test_unsupported_layers_are_refused_with_a_reason():
+    big = LayerSpec(head_dim=512, num_q_heads=8, num_kv_heads=8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="backend 'triton' cannot serve this layer: head size 512"):
+        resolve_backend("triton", big, "cpu")
+    bf16 = LayerSpec(head_dim=64, num_q_heads=8, num_kv_heads=8, dtype=torch.bfloat16)
+    assert "interpreter" in triton_backend.unsupported_reason(bf16, torch.device("cpu"))
+    fp16 = LayerSpec(head_dim=64, num_q_heads=8, num_kv_heads=8, dtype=torch.float16)
+    assert triton_backend.unsupported_reason(fp16, torch.device("cpu")) is None
+
+
+def test_opcheck_triton_ops():
+    batch = make_batch(
+        [(3, 4), (5, 1)], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, pad_tokens=1
+    )
+    torch.library.opcheck(
+        torch.ops.paged_ops.write_kv.default,
+        (batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, "triton"),
+    )
+    args = (batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table)
+    torch.library.opcheck(
+        torch.ops.paged_ops.paged_attention.default,
+        (*args, 0.25, True, 3, 4.0, torch.zeros(4), None, "triton", -1),
+    )
+
+
+def test_module_on_triton_matches_module_on_reference():
+    def build(backend):
+        return paged_ops.PagedAttention(
+            num_layers=2,
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            layers=[paged_ops.LayerConfig(), paged_ops.LayerConfig(sliding_window=3)],
+            block_size=4,
+            num_blocks=16,
+            max_num_seqs=4,
+            max_model_len=32,
+            backend=backend,
+        )
+
+    tri, ref = build("triton"), build("reference")
+    assert tri.layer_backends == ["triton", "triton"]
+    g = torch.Generator().manual_seed(0)
+    for step in ({"a": 6, "b": 3}, {"a": 1, "b": 1, "c": 5}, {"a": 1, "c": 1}):
+        for pa in (tri, ref):
+            pa.prepare(step, num_tokens=12, num_seqs=4)
+        t = 12
+        for layer in range(2):
+            q = torch.randn(t, 4, 16, generator=g)
+            k, v = torch.randn(t, 2, 16, generator=g), torch.randn(t, 2, 16, generator=g)
+            real = sum(step.values())
+            torch.testing.assert_close(tri(layer, q, k, v)[:real], ref(layer, q, k, v)[:real])
+    torch.testing.assert_close(tri.kv_cache.data, ref.kv_cache.data)
