@@ -12,9 +12,12 @@ import importlib.util
 
 import pytest
 import torch
+from paged_testing import make_batch
 
+import paged_ops
 from paged_ops import LayerConfig, PagedAttention
 from paged_ops.backends import reference
+from paged_ops.backends.flashinfer_host import scatter_kv
 
 pytestmark = [
     pytest.mark.gpu,
@@ -130,6 +133,7 @@ def test_decode_only_matches_reference_with_padding_and_changing_batches():
     run_step(pa, {"a": 1, "b": 1, "c": 1}, seed=8)  # unpadded: bucket 3
     pa.release("b")
     run_step(pa, {"c": 1, "a": 1}, seed=9, num_tokens=8, num_seqs=4)  # more tokens than seqs
+    run_step(pa, {"a": 1, "c": 1}, seed=10, num_seqs=4)  # fewer tokens than seqs
 
 
 def test_cuda_core_decode_and_non_causal_prefill_match_reference():
@@ -172,3 +176,43 @@ def test_captured_decode_graph_replays_over_new_lengths_and_sequences(compiled):
             v.copy_(new[2])
         graph.replay()
         assert_matches_reference(pa, static, outs)
+
+
+def test_functional_call_without_plan_matches_reference():
+    batch = make_batch(
+        [(30, 1), (0, 17), (64, 5)],
+        num_q_heads=HQ,
+        num_kv_heads=4,
+        head_dim=D,
+        block_size=BLOCK,
+        dtype=torch.bfloat16,
+        device="cuda",
+        pad_tokens=3,
+        pad_seqs=1,
+    )
+    paged_ops.write_kv(
+        batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend="flashinfer"
+    )
+    args = (batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table)
+    out = paged_ops.paged_attention(*args, backend="flashinfer")
+    ref = paged_ops.paged_attention(*args, backend="reference")
+    n = int(batch.cu_seqlens_q[-1])
+    assert torch.isfinite(out.float()).all() and not out[n:].any()
+    err = ((out[:n].float() - ref[:n].float()).norm() / ref[:n].float().norm()).item()
+    assert err < 2e-2
+
+
+def test_torch_kv_write_fallback_skips_padding_inside_a_cuda_graph():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache = torch.randn(8, 2, BLOCK, 4, D, device="cuda", generator=g).to(torch.bfloat16)
+    key, value = torch.randn(2, 6, 4, D, device="cuda", generator=g).to(torch.bfloat16)
+    slots = torch.tensor([5, -1, 17, 0, -1, 100], device="cuda")
+    expected = cache.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        scatter_kv(key, value, cache, slots)
+    for new_slots in ([5, -1, 17, 0, -1, 100], [-1] * 6, [-1, 3, 2, 1, -1, 127]):
+        slots.copy_(torch.tensor(new_slots))
+        graph.replay()
+        reference.write_kv(key, value, expected, slots)
+        assert torch.equal(cache, expected)

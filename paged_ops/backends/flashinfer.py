@@ -93,15 +93,18 @@ def make_planner(owner: Any, cfg: Any) -> FlashInferPlanner:
 
 
 def prebuild(planners: list[FlashInferPlanner]) -> None:
-    """JIT-compile every kernel these planners will use, in one parallel build.
+    """JIT-compile every kernel these planners will use, all at once.
 
     FlashInfer otherwise compiles each variant on first use, one after the other (tens of seconds
-    each). Typical use: ``prebuild(pa.planners)`` right after building a PagedAttention.
+    each). Each module is built by its own ``build_and_load`` (in threads), the way ``plan()`` will
+    look for it: a combined ``flashinfer.jit.build_jit_specs`` build keeps its ninja log elsewhere,
+    so the first ``plan()`` would rebuild everything. Typical use: ``prebuild(pa.planners)``.
     """
-    from flashinfer.jit import build_jit_specs
+    from concurrent.futures import ThreadPoolExecutor
 
     specs = {spec.name: spec for p in planners for spec in p.jit_specs()}
-    build_jit_specs(list(specs.values()))
+    with ThreadPoolExecutor(max_workers=max(1, len(specs))) as pool:
+        list(pool.map(lambda spec: spec.build_and_load(), specs.values()))
 
 
 # Eager calls without a plan (the functional ``paged_ops.paged_attention``): one planner per
@@ -149,7 +152,7 @@ def _run_unplanned(
     real = int(torch.nonzero(host_lens > 0).max()) + 1 if bool((host_lens > 0).any()) else 0
     shape = host.StepShape("prefill" if real else "empty", real, int(host_cu[real]))
     planner.plan_host(shape, host_cu, host_lens, block_table.cpu())
-    return planner.run(query, kv_cache, num_seqs)
+    return planner.run(query, kv_cache, seq_lens)
 
 
 def paged_attention(
@@ -188,7 +191,7 @@ def paged_attention(
         raise RuntimeError(
             f"FlashInfer plan {plan_handle} was made for {planned}, the layer asks for {constants}"
         )
-    out = planner.run(query, kv_cache, seq_lens.shape[0])
+    out = planner.run(query, kv_cache, seq_lens)
     if not query.is_contiguous():  # match the fake kernel's empty_like(query) strides
         out = torch.empty_like(query).copy_(out)
     return out

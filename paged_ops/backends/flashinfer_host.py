@@ -122,12 +122,13 @@ def scatter_kv(
     block_size = kv_cache.shape[2]
     valid = slot_mapping >= 0  # [T]
     any_valid = valid.any()
-    first = valid.to(torch.int8).argmax()  # index of the first real token (0 if none)
-    fallback = torch.where(any_valid, slot_mapping[first], 0)
+    # [1], not 0-d: indexing with a 0-d tensor would read it on the host
+    first = valid.to(torch.int8).argmax().reshape(1)
+    fallback = torch.where(any_valid, slot_mapping.index_select(0, first), 0)  # [1]
     slots = torch.where(valid, slot_mapping, fallback)  # [T], all in range
     blocks, offsets = slots // block_size, slots % block_size
     keep = valid[:, None, None]
     for i, new in enumerate((key, value)):
         old = kv_cache[0, i, 0]  # [Hkv, D], read before the write below (stream order)
-        filler = torch.where(any_valid, new[first], old)  # [Hkv, D]
+        filler = torch.where(any_valid, new.index_select(0, first), old)  # [1, Hkv, D]
         kv_cache[blocks, i, offsets] = torch.where(keep, new, filler).to(kv_cache.dtype)

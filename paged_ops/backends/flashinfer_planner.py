@@ -225,7 +225,7 @@ class FlashInferPlanner:
         self,
         query: torch.Tensor,  # [T, Hq, D]
         kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
-        num_seqs: int,  # S of the op's metadata tensors (a shape, not a value)
+        seq_lens: torch.Tensor,  # [S] int32, the op's metadata (read on the device only)
     ) -> torch.Tensor:  # [T, Hq, D], padded rows zero
         """Run the planned wrapper; only decode plans may be captured in a CUDA graph."""
         shape = self.step
@@ -243,10 +243,10 @@ class FlashInferPlanner:
             query = query.contiguous()
         if shape.kind == "decode":
             s = shape.batch_size
-            if num_seqs != s:
+            if seq_lens.shape[0] != s:
                 raise RuntimeError(
                     f"FlashInfer backend: planned a decode step of {s} sequences, the forward has "
-                    f"{num_seqs}; call prepare()/prepare_slices() for this step first"
+                    f"{seq_lens.shape[0]}; call prepare()/prepare_slices() for this step first"
                 )
             q = (
                 query[:s]
@@ -255,6 +255,9 @@ class FlashInferPlanner:
             )
             out = torch.empty((max(t, s), *query.shape[1:]), dtype=query.dtype, device=query.device)
             self._wrapper.run(q, kv_cache, out=out[:s])  # one row per (padded) sequence
+            # A padded sequence has no KV, and FlashInfer does not define its output: zero it on
+            # the device (the graph replays with other sequences padded), like rows past S.
+            out[:s].masked_fill_((seq_lens == 0)[:, None, None], 0)
             out[s:].zero_()
             return out[:t]
         n = shape.num_tokens
