@@ -8,10 +8,11 @@ Two paths:
   tensors (positions, slot mapping, block table, ...) are views of the builder's persistent buffers,
   refilled by ``prepare_slices`` before each replay.
 - **Eager/compiled** (prefill, mixed and large batches, CPU): the model forward, compiled once with
-  ``torch.compile(fullgraph=True, dynamic=True)`` when ``compile=True``. The step is padded to at
-  least two tokens and two sequences so that sizes 0/1 never specialise the trace, and duck sizing
-  is off so that ``T == S`` in one step does not become a guard that the next step breaks: after the
-  first compile there are no recompiles.
+  ``torch.compile(fullgraph=True)`` when ``compile=True``, with the token count T and sequence count
+  S marked dynamic on every tensor that carries them (model constants such as the attention scale
+  stay specialised). The step is padded to at least two tokens and two sequences so that sizes 0/1
+  never specialise the trace, and duck sizing is off so that ``T == S`` in one step does not become
+  a guard that the next step breaks: after the first compile there are no recompiles.
 
 The LM head runs only for each sequence's last token (``logits_to_keep=md.logits_indices``).
 """
@@ -47,7 +48,7 @@ class ModelRunner:
     Args:
         model: a model patched by ``patch_model`` (runs on packed ``[1, T]`` inputs).
         pa: its PagedAttention.
-        compile: compile the forward with ``torch.compile(fullgraph=True, dynamic=True)``.
+        compile: compile the forward with ``torch.compile(fullgraph=True)``, T and S dynamic.
         cuda_graphs: capture decode steps per batch-size bucket (CUDA only).
     """
 
@@ -65,7 +66,7 @@ class ModelRunner:
         self._compiled = compile
         self._forward: Callable[..., torch.Tensor] = self._model_forward
         if compile:
-            self._forward = torch.compile(self._model_forward, fullgraph=True, dynamic=True)
+            self._forward = torch.compile(self._model_forward, fullgraph=True)
         self.use_graphs = cuda_graphs and on_cuda
         self.buckets = graph_buckets(self.max_num_seqs) if self.use_graphs else []
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -85,10 +86,14 @@ class ModelRunner:
     def _call(self, num_tokens: int) -> torch.Tensor:
         md = self.pa.metadata
         args = (self.input_ids[:num_tokens], md.positions, md.logits_indices)
-        if self._compiled:
-            with _no_duck_shapes():
-                return self._forward(*args)
-        return self._forward(*args)
+        if not self._compiled:
+            return self._forward(*args)
+        # The step's T and S are the only sizes that change: mark them dynamic on every tensor
+        # that carries them (the metadata views are read inside the model, through the module).
+        for t in (*args, md.slot_mapping, md.cu_seqlens_q, md.seq_lens, md.block_table):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        with _no_duck_shapes():
+            return self._forward(*args)
 
     def _load_ids(self, ids: list[int], num_tokens: int) -> None:
         # The previous step's sampled ids were read on the host, so the last copy has finished.

@@ -1,0 +1,232 @@
+"""End-to-end generation throughput: paged_ops side by side with Hugging Face transformers.
+
+One model shape (Llama-3.2-1B: hidden 2048, intermediate 8192, 16 layers, 32/8 heads, head_dim 64,
+vocab 128256, tied embeddings) with random weights in bf16, 128-token random prompts, 256 new tokens,
+EOS ignored, greedy. Systems:
+
+- ``paged_ops``: ``LLM(model).generate`` (continuous batching, torch.compile, CUDA-graph decode).
+- ``hf_eager``: ``model.generate`` with the default dynamic cache (sdpa), the whole batch at once.
+- ``hf_static_compile``: ``model.generate(..., cache_implementation="static")``, which compiles the
+  decode forward (transformers' own recipe).
+- ``hf_generate_batch``: transformers' continuous batching, ``model.generate_batch``.
+
+tokens/s = generated tokens / wall time of a warm call (prefill included). "warm-up" is the time
+before that call: model setup plus a first call (compiles, graph captures, autotuning).
+
+    python benchmarks/bench_generate.py --out benchmarks/results/generate_h100.json
+    python benchmarks/bench_generate.py --quick            # 64 new tokens, batches 1 and 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SYSTEMS = ("paged_ops", "hf_eager", "hf_static_compile", "hf_generate_batch")
+
+
+def llama_1b_config(num_layers: int = 16):
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=num_layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        bos_token_id=128000,
+        eos_token_id=None,  # never stop early: every request makes all its tokens
+        pad_token_id=0,
+    )
+
+
+def build_model(cfg, device: torch.device):
+    import transformers
+
+    torch.manual_seed(0)
+    with device:
+        model = transformers.LlamaForCausalLM._from_config(
+            cfg, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    return model.eval()
+
+
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return torch.randint(1, vocab, (n, length), generator=g).tolist()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], int]) -> tuple[int, float]:
+    sync()
+    t0 = time.perf_counter()
+    n = fn()
+    sync()
+    return n, time.perf_counter() - t0
+
+
+def run_paged_ops(cfg, batches, prompt_len, new_tokens, args):
+    from paged_ops import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    model = build_model(cfg, DEVICE)
+    max_len = prompt_len + new_tokens + 16
+    # twice what the largest batch needs (room for the prefix cache), not most of the GPU: the
+    # baselines run in the same process afterwards
+    num_blocks = 2 * max(batches) * -(-max_len // 16)
+    llm = LLM(
+        model,
+        backend=args.backend,
+        max_num_seqs=max(batches),
+        max_model_len=max_len,
+        num_blocks=num_blocks,
+        compile=args.compile,
+        cuda_graphs=args.compile,
+    )
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    warm = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    llm.generate(prompts(2, prompt_len, cfg.vocab_size), warm, use_tqdm=False)
+    setup = time.perf_counter() - t0
+    rows = []
+    for b in batches:
+        ps = prompts(b, prompt_len, cfg.vocab_size)
+        n, dt = timed(
+            lambda ps=ps: sum(len(o.token_ids) for o in llm.generate(ps, params, use_tqdm=False))
+        )
+        m = llm.last_metrics
+        rows.append(dict(batch=b, tokens=n, seconds=dt, tok_s=n / dt, warmup_s=setup,
+                         ttft_ms=m.mean_time_to_first_token_s * 1e3, steps=m.num_steps,
+                         backend=llm.pa.layer_backends[0], num_blocks=llm.pa.kv_cache.num_blocks))  # fmt: skip
+        print(f"  paged_ops b={b}: {n / dt:,.0f} tok/s ({m.num_steps} steps)", flush=True)
+    return rows
+
+
+def run_hf_generate(cfg, batches, prompt_len, new_tokens, args, static: bool):
+    model = build_model(cfg, DEVICE)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if static:
+        kw["cache_implementation"] = "static"
+    rows = []
+    for b in batches:
+        ids = torch.tensor(prompts(b, prompt_len, cfg.vocab_size), device=DEVICE)
+        mask = torch.ones_like(ids)
+
+        def call(ids=ids, mask=mask) -> int:
+            out = model.generate(ids, attention_mask=mask, **kw)
+            return (out.shape[1] - prompt_len) * out.shape[0]
+
+        _, first = timed(call)  # compiles (static) / warms up kernels (eager)
+        n, dt = timed(call)
+        rows.append(dict(batch=b, tokens=n, seconds=dt, tok_s=n / dt, warmup_s=first))
+        print(f"  b={b}: {n / dt:,.0f} tok/s (first call {first:.1f} s)", flush=True)
+    return rows
+
+
+def run_hf_generate_batch(cfg, batches, prompt_len, new_tokens, args):
+    from transformers import GenerationConfig
+
+    model = build_model(cfg, DEVICE)
+    rows = []
+    for b in batches:
+        ps = prompts(b, prompt_len, cfg.vocab_size)
+        gen_cfg = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)  # fmt: skip
+
+        def call(ps=ps, gen_cfg=gen_cfg) -> int:
+            try:
+                out = model.generate_batch(inputs=ps, generation_config=gen_cfg, progress_bar=False)
+            except TypeError:  # releases without the progress_bar keyword
+                out = model.generate_batch(inputs=ps, generation_config=gen_cfg)
+            return sum(len(o.generated_tokens) for o in out.values())
+
+        _, first = timed(call)
+        n, dt = timed(call)
+        rows.append(dict(batch=b, tokens=n, seconds=dt, tok_s=n / dt, warmup_s=first))
+        print(f"  b={b}: {n / dt:,.0f} tok/s (first call {first:.1f} s)", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--batches", default="1,64,256")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--backend", default="auto", help="paged_ops attention backend")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="paged_ops: torch.compile + CUDA graphs",
+    )
+    parser.add_argument("--quick", action="store_true", help="64 new tokens, batches 1 and 64")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    if args.quick:
+        args.new_tokens, args.batches = 64, "1,64"
+    batches = [int(b) for b in args.batches.split(",")]
+    cfg = llama_1b_config(args.layers)
+    results: dict[str, object] = {}
+    runners = {
+        "paged_ops": lambda: run_paged_ops(cfg, batches, args.prompt_len, args.new_tokens, args),
+        "hf_eager": lambda: run_hf_generate(cfg, batches, args.prompt_len, args.new_tokens, args, False),
+        "hf_static_compile": lambda: run_hf_generate(cfg, batches, args.prompt_len, args.new_tokens, args, True),
+        "hf_generate_batch": lambda: run_hf_generate_batch(cfg, batches, args.prompt_len, args.new_tokens, args),
+    }  # fmt: skip
+    for name in args.systems.split(","):
+        print(f"{name}:", flush=True)
+        try:
+            results[name] = runners[name]()
+        except Exception as err:  # a failing baseline must not lose the others' figures
+            traceback.print_exc()
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()
+    print_table(results, batches)
+    if args.out:
+        import transformers
+
+        meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
+                    transformers=transformers.__version__, python=platform.python_version(),
+                    prompt_len=args.prompt_len, new_tokens=args.new_tokens, layers=args.layers,
+                    batches=batches, dtype="bfloat16", greedy=True, ignore_eos=True)  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump({"settings": meta, "results": results}, f, indent=2)
+
+
+def print_table(results: dict[str, object], batches: list[int]) -> None:
+    print(f"\n{'system':<20}" + "".join(f"{f'b={b} tok/s':>14}{'warm-up s':>11}" for b in batches))
+    for name, rows in results.items():
+        if isinstance(rows, dict):
+            print(f"{name:<20}  error: {rows['error'][:80]}")
+            continue
+        by_b = {r["batch"]: r for r in rows}
+        cells = "".join(
+            f"{by_b[b]['tok_s']:>14,.0f}{by_b[b]['warmup_s']:>11.1f}" if b in by_b else " " * 25
+            for b in batches
+        )
+        print(f"{name:<20}{cells}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""LLM.generate end to end on tiny random Llamas (CPU, reference backend) against HF generate."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from paged_ops import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        pad_token_id=0,
+        eos_token_id=None,  # random weights: never stop early, in HF generate or ours
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def prompts_of(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # ids >= 1: HF generate would mask the pad token (0) out of the prompt
+    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(unpatched reference, model for the engines); each LLM below patches its own deep copy."""
+    model = tiny_llama()
+    return model, copy.deepcopy(model)
+
+
+def make_llm(models, **kwargs) -> LLM:
+    opts = dict(backend="reference", compile=False, block_size=4, max_num_seqs=8)
+    opts.update(kwargs)
+    return LLM(copy.deepcopy(models[1]), **opts)
+
+
+def test_greedy_matches_hf_generate_for_ragged_batch_with_chunked_prefill(models):
+    # max_model_len=40 makes the step budget 40 tokens: the long prompts are prefilled in chunks
+    llm = make_llm(models, max_model_len=40, num_blocks=64)
+    prompts = prompts_of([1, 7, 23, 33, 4])
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=6), use_tqdm=False)
+    assert llm.scheduler.num_prefill_chunks > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(models[0], prompt, 6)
+        assert out.finish_reason == "length"
+        assert out.time_to_first_token is not None
+    metrics = llm.last_metrics
+    assert metrics.num_generated_tokens == 30 and metrics.tokens_per_s > 0
+    assert llm.pa.allocator.num_free == llm.pa.allocator.num_blocks  # every block came back
+
+
+def test_kv_pressure_preempts_and_recomputes_without_losing_tokens(models):
+    # 12 blocks of 4 tokens hold 48 tokens; 5 requests want up to 20 + 14 tokens each
+    llm = make_llm(models, max_model_len=64, num_blocks=12, prefix_caching=False)
+    prompts = prompts_of([20, 9, 15, 3, 12], seed=2)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=14), use_tqdm=False)
+    assert llm.last_metrics.num_preemptions > 0
+    assert sum(o.num_preemptions for o in outs) == llm.last_metrics.num_preemptions
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert len(out.token_ids) == 14 and out.finish_reason == "length"
+        assert out.token_ids == hf_greedy(models[0], prompt, 14)
+    assert llm.pa.allocator.num_free == 12
+
+
+def test_shared_prefixes_reuse_cached_blocks(models):
+    # two seats: later requests join after earlier ones registered the common prefix blocks
+    llm = make_llm(models, max_model_len=64, num_blocks=64, max_num_seqs=2)
+    prefix = prompts_of([13], seed=3)[0]  # 3 full blocks of 4 tokens + 1
+    prompts = [prefix + tail for tail in prompts_of([2, 5, 1, 7], seed=4)]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=5), use_tqdm=False)
+    assert llm.last_metrics.num_cached_tokens >= 12 * 2
+    assert outs[0].num_cached_tokens == 0 and outs[-1].num_cached_tokens == 12
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(models[0], prompt, 5)
+    # a later call finds the prefix on the free list and revives it
+    again = llm.generate([prompts[1]], SamplingParams(max_new_tokens=5), use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 12 and again.token_ids == outs[1].token_ids
+
+
+def test_identical_prompt_is_served_from_the_cache_but_still_computes_one_token(models):
+    llm = make_llm(models, max_model_len=64, num_blocks=64)
+    prompt = prompts_of([16], seed=5)[0]  # exactly 4 full blocks
+    first = llm.generate([prompt], SamplingParams(max_new_tokens=3), use_tqdm=False)[0]
+    second = llm.generate([prompt], SamplingParams(max_new_tokens=3), use_tqdm=False)[0]
+    assert second.num_cached_tokens == 12  # the last block is recomputed to get logits
+    assert first.token_ids == second.token_ids == hf_greedy(models[0], prompt, 3)
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(models):
+    llm = make_llm(models, max_model_len=64, num_blocks=64)
+    prompt, a, b = prompts_of([6, 11, 3], seed=6)
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=1234)
+    alone = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    again = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    other = SamplingParams(max_new_tokens=5, temperature=1.0, seed=7)
+    mixed = llm.generate([a, prompt, b], [other, params, other], use_tqdm=False)[1].token_ids
+    assert alone == again == mixed
+    reseeded = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=99)
+    assert llm.generate([prompt], reseeded, use_tqdm=False)[0].token_ids != alone
+    assert alone != hf_greedy(models[0], prompt, 12)  # it really sampled
+
+
+def test_stop_tokens_end_requests_and_stream_matches_generate(models):
+    llm = make_llm(models, max_model_len=64, num_blocks=64)
+    prompt = prompts_of([9], seed=7)[0]
+    full = llm.generate([prompt], SamplingParams(max_new_tokens=8), use_tqdm=False)[0]
+    chunks = list(llm.stream(prompt, SamplingParams(max_new_tokens=8)))
+    assert [c.token_id for c in chunks] == full.token_ids
+    assert [c.finish_reason for c in chunks] == [None] * 7 + ["length"]
+    stop = full.token_ids[3]
+    first_stop = full.token_ids.index(stop)
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=[stop])
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.token_ids == full.token_ids[: first_stop + 1] and out.finish_reason == "stop"
+
+
+def test_closing_a_stream_early_frees_its_blocks(models):
+    llm = make_llm(models, max_model_len=64, num_blocks=64)
+    stream = llm.stream(prompts_of([10], seed=8)[0], SamplingParams(max_new_tokens=20))
+    next(stream)
+    stream.close()
+    assert llm.pa.allocator.num_free == 64 and not llm.scheduler.has_work()
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "error", "match"),
+    [
+        ([[5, 6], []], SamplingParams(), ValueError, "empty"),
+        ([[5, 6], [1] * 64], SamplingParams(), ValueError, "max_model_len"),
+        ([[5, 6], "hello"], SamplingParams(), TypeError, "tokenizer"),
+        ([[5, 6], [1, VOCAB]], SamplingParams(), ValueError, "outside"),
+        ([[1, 2]], [SamplingParams(), SamplingParams()], ValueError, "SamplingParams for 1"),
+        ([[1, 2]], [None], TypeError, "SamplingParams"),
+        ("hello", SamplingParams(), TypeError, "list"),
+    ],
+)
+def test_bad_requests_fail_before_any_work(models, prompts, params, error, match):
+    llm = make_llm(models, max_model_len=64, num_blocks=64)
+    with pytest.raises(error, match=match):
+        llm.generate(prompts, params)
+    assert llm.last_metrics.num_steps == 0 and not llm.scheduler.has_work()
+    assert llm.pa.allocator.num_free == 64
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        (dict(max_new_tokens=0), ValueError),
+        (dict(max_new_tokens=1.5), TypeError),
+        (dict(temperature=-0.1), ValueError),
+        (dict(temperature=float("nan")), ValueError),
+        (dict(top_p=0.0), ValueError),
+        (dict(top_p=1.5), ValueError),
+        (dict(top_k=-1), ValueError),
+        (dict(seed=-3), ValueError),
+        (dict(stop_token_ids="7"), TypeError),
+    ],
+)
+def test_bad_sampling_params_are_refused(kwargs, error):
+    with pytest.raises(error):
+        SamplingParams(**kwargs)
+
+
+def test_compiled_forward_does_not_recompile_across_steps(monkeypatch):
+    # aot_eager: dynamo + AOT autograd + fake kernels (what must not break or recompile), without
+    # inductor's C++ codegen, which takes most of a minute on 2 cores
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    llm = LLM(tiny_llama(), backend="reference", block_size=4, max_num_seqs=4, max_model_len=32,
+              num_blocks=64, compile=True, cuda_graphs=False)  # fmt: skip
+    prompts = prompts_of([3, 9, 5], seed=9)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        first = llm.generate(prompts, SamplingParams(max_new_tokens=4), use_tqdm=False)
+        second = llm.generate(prompts_of([1, 12], seed=10), SamplingParams(max_new_tokens=6))
+    assert [len(o.token_ids) for o in first + second] == [4, 4, 4, 6, 6]
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for prefill, mixed and decode
+    eager = LLM(tiny_llama(), backend="reference", block_size=4, max_num_seqs=4, max_model_len=32,
+                num_blocks=64, compile=False)  # fmt: skip
+    assert [o.token_ids for o in first] == [
+        o.token_ids for o in eager.generate(prompts, SamplingParams(max_new_tokens=4))
+    ]
