@@ -148,15 +148,20 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None,  # [Hq] fp32
     plan_handle: int = -1,
     num_segments: int | None = None,
+    config: LaunchConfig | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Paged attention with the op contract's semantics; ``num_segments`` forces split-KV (tests)."""
+    """Paged attention with the op contract's semantics.
+
+    ``num_segments`` forces split-KV and ``config`` every launch choice (tests and tile sweeps);
+    by default :func:`launch_config` picks them from shapes.
+    """
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
     if num_tokens == 0:
         return out
-    cfg = launch_config(
+    cfg = config or launch_config(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
         num_q_heads=num_q_heads,
@@ -166,6 +171,11 @@ def paged_attention(
         num_sms=_num_sms(query.device),
         num_segments=num_segments,
     )
+    group = num_q_heads // num_kv_heads
+    if cfg.block_q < 1 or cfg.block_q * group > cfg.block_m:
+        raise ValueError(
+            f"{cfg} does not fit the GQA group {group}: need 1 <= block_q * group <= block_m"
+        )
     d_pad = _d_pad(head_dim)
     nseg = cfg.num_segments
     if nseg > 1:
@@ -206,7 +216,7 @@ def paged_attention(
         *query.stride(),
         *kv_cache.stride(),
         block_table.stride(0),
-        GROUP=num_q_heads // num_kv_heads,
+        GROUP=group,
         BLOCK_Q=cfg.block_q,
         BLOCK_M=cfg.block_m,
         TILE_N=cfg.tile_n,

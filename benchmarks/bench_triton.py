@@ -1,0 +1,180 @@
+"""Benchmark the triton backend's paged attention: decode bandwidth, prefill FLOP/s, tile sweeps.
+
+Times are CUDA-graph replays (launch overhead excluded, as in a served decode step), median of
+several replays of ``--calls`` back-to-back kernel calls. Decode reports KV bytes read per second
+(the bound that matters); prefill reports causal attention FLOP/s (4 * Hq * D per visible pair).
+
+    python benchmarks/bench_triton.py --json out.json [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from dataclasses import asdict
+
+import torch
+
+from paged_ops.backends import triton as tb
+
+HQ, HKV, D, BLOCK = 32, 8, 128, 16  # Llama-3-8B-like attention, bf16
+DECODE = [(1, 16384), (8, 16384), (64, 4096), (256, 1024)]  # (batch, context)
+PREFILL = [(4, 2048), (1, 8192)]  # (prompts, prompt length), causal
+
+
+def make_step(q_lens: list[int], kv_lens: list[int], dtype=torch.bfloat16, seed: int = 0):
+    """Random paged cache with shuffled block tables; returns the op's tensor arguments."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    need = [-(-n // BLOCK) for n in kv_lens]
+    num_blocks = sum(need)
+    cache = torch.randn(num_blocks, 2, BLOCK, HKV, D, device="cuda", dtype=dtype, generator=g)
+    perm = torch.randperm(num_blocks, device="cuda", generator=g).int()
+    table = torch.zeros(len(kv_lens), max(need), dtype=torch.int32, device="cuda")
+    start = 0
+    for s, n in enumerate(need):
+        table[s, :n] = perm[start : start + n]
+        start += n
+    query = torch.randn(sum(q_lens), HQ, D, device="cuda", dtype=dtype, generator=g)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device="cuda")
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+    return query, cache, cu, lens, table
+
+
+def time_graph(fn, calls: int, replays: int = 7) -> float:
+    """Seconds per call: CUDA graph of ``calls`` calls, median over replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def attention(args, config: tb.LaunchConfig | None = None, num_segments: int | None = None):
+    query, cache, cu, lens, table = args
+    return lambda: tb.paged_attention(
+        query, cache, cu, lens, table, scale=D**-0.5, causal=True, window=0, softcap=0.0,
+        sinks=None, alibi_slopes=None, config=config, num_segments=num_segments,
+    )  # fmt: skip
+
+
+def default_config(args) -> tb.LaunchConfig:
+    query, cache, _, lens, table = args
+    return tb.launch_config(
+        num_tokens=query.shape[0], num_seqs=lens.shape[0], num_q_heads=HQ, num_kv_heads=HKV,
+        head_dim=D, max_kv_len=table.shape[1] * BLOCK, num_sms=tb._num_sms(query.device),
+    )  # fmt: skip
+
+
+def decode_rows(calls: int) -> list[dict]:
+    rows = []
+    for batch, ctx in DECODE:
+        args = make_step([1] * batch, [ctx] * batch)
+        kv_bytes = batch * ctx * 2 * HKV * D * 2
+        cfg = default_config(args)
+        for label, nseg in (("auto", None), ("one_pass", 1)):
+            sec = time_graph(attention(args, num_segments=nseg), calls)
+            used = cfg.num_segments if nseg is None else 1
+            rows.append(
+                dict(kind="decode", batch=batch, context=ctx, mode=label, segments=used,
+                     us=sec * 1e6, tb_per_s=kv_bytes / sec / 1e12)
+            )  # fmt: skip
+            if cfg.num_segments == 1:
+                break  # auto already is one pass
+    return rows
+
+
+def prefill_rows(calls: int) -> list[dict]:
+    rows = []
+    for n, length in PREFILL:
+        args = make_step([length] * n, [length] * n)
+        flops = 4 * HQ * D * n * length * (length + 1) / 2
+        sec = time_graph(attention(args), calls)
+        rows.append(
+            dict(kind="prefill", batch=n, context=length, mode="auto", segments=1,
+                 us=sec * 1e6, tflop_per_s=flops / sec / 1e12)
+        )  # fmt: skip
+    return rows
+
+
+def write_kv_row(calls: int) -> dict:
+    t = 8192
+    cache = torch.zeros(t // BLOCK, 2, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    slots = torch.randperm(t, device="cuda")
+    sec = time_graph(lambda: tb.write_kv(key, value, cache, slots), calls)
+    moved = 2 * 2 * t * HKV * D * 2  # K and V, read + write, bf16
+    return dict(kind="write_kv", batch=t, us=sec * 1e6, tb_per_s=moved / sec / 1e12)
+
+
+def sweep(calls: int) -> list[dict]:
+    """Tile/warp/stage(/segment) sweep for one prefill and two decode shapes; failures recorded."""
+    group = HQ // HKV
+    prefill = (make_step([2048] * 4, [2048] * 4), [64, 128], [32, 64, 128], [4, 8])
+    shapes = {
+        "prefill_4x2048": prefill,
+        "decode_8x16384": (make_step([1] * 8, [16384] * 8), [16], [32, 64, 128], [2, 4]),
+        "decode_64x4096": (make_step([1] * 64, [4096] * 64), [16], [32, 64, 128], [2, 4]),
+    }
+    rows = []
+    for name, (args, block_ms, tile_ns, warps) in shapes.items():
+        nseg = default_config(args).num_segments
+        nsegs = [nseg] if nseg == 1 else [nseg, 2 * nseg, 4 * nseg]
+        for bm, tn, w, st, ns in itertools.product(block_ms, tile_ns, warps, [2, 3], nsegs):
+            cfg = tb.LaunchConfig(bm, bm // group, tn, ns, w, st)
+            try:
+                sec = time_graph(attention(args, config=cfg), max(calls // 4, 2), replays=3)
+                rows.append(dict(shape=name, **asdict(cfg), us=sec * 1e6))
+            except Exception as e:  # out of shared memory / registers: record and go on
+                rows.append(dict(shape=name, **asdict(cfg), error=type(e).__name__))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--sweep", action="store_true")
+    a = parser.parse_args()
+    device = torch.cuda.get_device_name()
+    print(f"# {device}, torch {torch.__version__}, Hq={HQ} Hkv={HKV} D={D} page={BLOCK}, bf16")
+    rows = [*decode_rows(a.calls), *prefill_rows(a.calls), write_kv_row(a.calls)]
+    print(f"{'kind':8} {'batch':>6} {'ctx':>6} {'mode':9} {'seg':>3} {'us':>9} {'figure':>16}")
+    for r in rows:
+        fig = (
+            f"{r['tflop_per_s']:.0f} TFLOP/s" if "tflop_per_s" in r else f"{r['tb_per_s']:.2f} TB/s"
+        )
+        print(
+            f"{r['kind']:8} {r['batch']:>6} {r.get('context', ''):>6} {r.get('mode', ''):9} "
+            f"{r.get('segments', ''):>3} {r['us']:>9.1f} {fig:>16}"
+        )
+    result = dict(device=device, torch=torch.__version__, rows=rows)
+    if a.sweep:
+        result["sweep"] = sweep(a.calls)
+        for name in sorted({r["shape"] for r in result["sweep"]}):
+            ok = [r for r in result["sweep"] if r["shape"] == name and "us" in r]
+            for r in sorted(ok, key=lambda r: r["us"])[:3]:
+                print(f"sweep {name}: {r['us']:.1f} us  {r}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
