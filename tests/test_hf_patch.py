@@ -1,0 +1,170 @@
+"""patch_model / unpatch_model behaviour: sizing, refusal, unpatching, two models side by side."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_models import build_model, make_prompts, paged_greedy  # noqa: E402
+from paged_ops.integrations.transformers import (  # noqa: E402
+    SUPPORTED_MODEL_TYPES,
+    forward_step,
+    patch_model,
+    unpatch_model,
+)
+
+from paged_ops import PagedAttention  # noqa: E402
+
+PROMPTS = make_prompts((11, 17, 14))
+
+
+def _eager_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_patch_sizes_the_cache_from_the_model() -> None:
+    model = build_model("gemma2").to(torch.bfloat16)
+    pa = patch_model(model, backend="reference", block_size=8, max_num_seqs=4)
+    assert isinstance(pa, PagedAttention)
+    cfg = model.config
+    assert model.config._attn_implementation == "paged_ops"
+    assert pa.max_model_len == min(cfg.max_position_embeddings, 4096)
+    assert pa.kv_cache.num_blocks == -(-pa.max_model_len // 8) * 4  # min(max_num_seqs, 8) seqs
+    assert (pa.num_q_heads, pa.num_kv_heads, pa.head_dim) == (4, 2, 16)
+    assert pa.dtype == torch.bfloat16
+    assert len(pa.layers) == cfg.num_hidden_layers
+    windows = [layer.sliding_window for layer in pa.layers]
+    expected = [cfg.sliding_window if t == "sliding_attention" else None for t in cfg.layer_types]
+    assert windows == expected and None in windows and cfg.sliding_window in windows
+    assert all(layer.softcap == cfg.attn_logit_softcapping for layer in pa.layers)
+    assert all(layer.scale == cfg.query_pre_attn_scalar**-0.5 for layer in pa.layers)
+    assert not any(isinstance(m, PagedAttention) for m in model.modules())  # not a submodule
+    assert not any("kv_cache" in k for k in model.state_dict())
+
+
+def test_gpt_oss_layers_have_sinks_and_alternating_windows() -> None:
+    model = build_model("gpt_oss")
+    pa = patch_model(model, backend="reference", max_model_len=64)
+    assert [layer.has_sinks for layer in pa.layers] == [True, True]
+    assert [layer.sliding_window for layer in pa.layers] == [model.config.sliding_window, None]
+
+
+def _mla_model() -> torch.nn.Module:
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=2,
+        num_experts_per_tok=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
+    )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _encoder_decoder_model() -> torch.nn.Module:
+    cfg = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2
+    )
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+def _unknown_family_model() -> torch.nn.Module:
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _no_layer_idx_model() -> torch.nn.Module:
+    model = build_model("llama")
+    model.model.layers[1].self_attn.layer_idx = None
+    return model
+
+
+REFUSED = {
+    "mla": (_mla_model, "multi-head latent attention"),
+    "encoder-decoder": (_encoder_decoder_model, "encoder-decoder"),
+    "unknown-family": (_unknown_family_model, "'gpt2' is not in the table"),
+    "no-layer-idx": (_no_layer_idx_model, "layer_idx"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_unsupported_model_is_refused_with_the_supported_families(case: str) -> None:
+    make, reason = REFUSED[case]
+    model = make()
+    with pytest.raises(ValueError, match=reason) as err:
+        patch_model(model, backend="reference")
+    assert all(t in str(err.value) for t in SUPPORTED_MODEL_TYPES)
+    impl = model.config._attn_implementation
+    with pytest.warns(UserWarning, match=reason):
+        assert patch_model(model, backend="reference", strict=False) is None
+    assert model.config._attn_implementation == impl
+    assert not hasattr(model, "_paged_ops_state")
+
+
+def test_patching_twice_is_refused() -> None:
+    model = build_model("llama")
+    patch_model(model, backend="reference", max_model_len=64)
+    with pytest.raises(ValueError, match="already patched"):
+        patch_model(model, backend="reference", max_model_len=64)
+
+
+@torch.no_grad()
+def test_unpatch_restores_eager_outputs_and_patch_works_again() -> None:
+    model = build_model("mistral")
+    twin = copy.deepcopy(model)
+    ids = torch.tensor([PROMPTS[1]])
+    pa = patch_model(model, backend="reference", max_model_len=64)
+    forward_step(model, pa, {0: PROMPTS[1]})
+    unpatch_model(model)
+    assert model.config._attn_implementation == "eager"
+    assert not any("_paged_ops_attention" in vars(m) for m in model.modules())
+    torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not patched"):
+        unpatch_model(model)
+    pa = patch_model(model, backend="reference", max_model_len=64)
+    _, tokens = paged_greedy(model, pa, PROMPTS[:1], 4)
+    assert tokens[0] == _eager_greedy(twin, PROMPTS[0], 4)
+
+
+@torch.no_grad()
+def test_two_patched_models_stay_apart() -> None:
+    models = {"llama": build_model("llama", seed=1), "gemma2": build_model("gemma2", seed=2)}
+    twins = {name: copy.deepcopy(m) for name, m in models.items()}
+    pas = {
+        name: patch_model(m, backend="reference", max_model_len=64) for name, m in models.items()
+    }
+    steps = 6
+    generated = {name: [] for name in models}
+    for name, model in models.items():  # both prefill before either decodes
+        logits = forward_step(model, pas[name], dict(enumerate(PROMPTS)))
+        generated[name] = [[t] for t in logits.argmax(-1).tolist()]
+    for _ in range(steps - 1):  # interleaved decode steps
+        for name, model in models.items():
+            step = {i: [g[-1]] for i, g in enumerate(generated[name])}
+            for i, t in enumerate(forward_step(model, pas[name], step).argmax(-1).tolist()):
+                generated[name][i].append(t)
+    for name, twin in twins.items():
+        for i, prompt in enumerate(PROMPTS):
+            assert generated[name][i] == _eager_greedy(twin, prompt, steps), (name, i)
+
+
+def test_attention_function_on_an_unpatched_model_raises() -> None:
+    model = build_model("llama")
+    patch_model(copy.deepcopy(model), backend="reference", max_model_len=64)  # registers the fn
+    model.set_attn_implementation("paged_ops")
+    with pytest.raises(RuntimeError, match="no PagedAttention attached"):
+        model(torch.tensor([PROMPTS[0]]), use_cache=False)
+
+
+def test_call_time_parameters_that_disagree_with_the_patch_raise() -> None:
+    model = build_model("mistral")
+    pa = patch_model(model, backend="reference", max_model_len=64)
+    model.config.sliding_window = 3  # the model now passes a window patch_model did not read
+    with pytest.raises(ValueError, match="sliding_window=3"):
+        forward_step(model, pa, {0: PROMPTS[0]})
