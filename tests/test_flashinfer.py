@@ -260,3 +260,35 @@ def test_constants_that_differ_from_the_plan_are_refused(fake_flashinfer):
     planner.plan(md)
     with pytest.raises(RuntimeError, match="was made for"):
         run_layer(planner, md, LayerConfig(sliding_window=4), torch.randn(3, 8, 64))
+
+
+def test_unplanned_call_plans_real_sequences_and_reuses_its_planner(fake_flashinfer, monkeypatch):
+    monkeypatch.setattr(fi_backend, "_unplanned", {})
+
+    def call(num_seqs: int, width: int) -> torch.Tensor:
+        cu = torch.tensor([0, 3, 4] + [4] * (num_seqs - 2), dtype=torch.int32)
+        lens = torch.tensor([7, 1] + [0] * (num_seqs - 2), dtype=torch.int32)
+        table = torch.arange(num_seqs * width, dtype=torch.int32).view(num_seqs, width)
+        q = torch.randn(6, 8, 64)
+        constants = dict(scale=0.125, causal=True, window=0, softcap=0.0)
+        cache = torch.zeros(64, 2, 4, 2, 64)
+        out = fi_backend.paged_attention(
+            q, cache, cu, lens, table, **constants, sinks=None, alibi_slopes=None, plan_handle=-1
+        )
+        assert torch.equal(out[:4], q[:4] + 1) and not out[4:].any()
+        return out
+
+    call(num_seqs=3, width=2)
+    (planner,) = fi_backend._unplanned.values()
+    plan = planner._prefill.plans[-1]
+    assert plan["qo_indptr"].tolist() == [0, 3, 4] and plan["paged_kv_indices"].tolist() == [
+        0,
+        1,
+        2,
+    ]
+    call(num_seqs=2, width=2)
+    assert list(fi_backend._unplanned.values()) == [planner]  # fits: reused
+    call(num_seqs=5, width=3)
+    (bigger,) = fi_backend._unplanned.values()
+    assert bigger is not planner and bigger.max_num_seqs == 5
+    assert bigger._prefill.plans[-1]["paged_kv_indices"].tolist() == [0, 1, 3]

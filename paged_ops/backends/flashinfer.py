@@ -131,17 +131,18 @@ def _run_unplanned(
         )
     num_seqs, width = block_table.shape
     geometry = (query.shape[1], kv_cache.shape[3], query.shape[2], kv_cache.shape[2])
-    key = (*geometry, query.dtype, query.device, scale, causal, window, softcap, num_seqs, width)
-    if key not in _unplanned:
-        _unplanned[key] = FlashInferPlanner(
+    key = (*geometry, query.dtype, query.device, scale, causal, window, softcap)
+    planner = _unplanned.get(key)
+    if planner is None or planner.max_num_seqs < num_seqs or planner.max_blocks_per_seq < width:
+        _unplanned[key] = FlashInferPlanner(  # staging buffers sized for the largest batch seen
             num_q_heads=geometry[0],
             num_kv_heads=geometry[1],
             head_dim=geometry[2],
             block_size=geometry[3],
             dtype=query.dtype,
             device=query.device,
-            max_num_seqs=num_seqs,
-            max_blocks_per_seq=width,
+            max_num_seqs=max(num_seqs, planner.max_num_seqs if planner else 0),
+            max_blocks_per_seq=max(width, planner.max_blocks_per_seq if planner else 0),
             scale=scale,
             causal=causal,
             window=window,
@@ -149,7 +150,8 @@ def _run_unplanned(
         )
     planner = _unplanned[key]
     host_cu, host_lens = cu_seqlens_q.cpu(), seq_lens.cpu()  # [S+1], [S]
-    real = int(torch.nonzero(host_lens > 0).max()) + 1 if bool((host_lens > 0).any()) else 0
+    nonempty = torch.nonzero(host_lens > 0)  # padded sequences (length 0) trail the real ones
+    real = int(nonempty[-1]) + 1 if len(nonempty) else 0
     shape = host.StepShape("prefill" if real else "empty", real, int(host_cu[real]))
     planner.plan_host(shape, host_cu, host_lens, block_table.cpu())
     return planner.run(query, kv_cache, seq_lens)

@@ -110,7 +110,7 @@ class FlashInferPlanner:
         self._fi = flashinfer
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
-        self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_num_seqs, self.max_blocks_per_seq = max_num_seqs, max_blocks_per_seq
         self.scale, self.causal, self.window, self.softcap = scale, causal, window, softcap
         self.use_tensor_cores = use_tensor_cores(num_q_heads, num_kv_heads)
         self._workspace = float_workspace(self.device)
