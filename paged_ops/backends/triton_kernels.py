@@ -21,7 +21,7 @@ segment of its KV tiles and writes an unnormalised partial result, its running m
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
