@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-SYSTEMS = ("paged_ops", "hf_eager", "hf_static_compile", "hf_generate_batch")
+SYSTEMS = ("paged_ops", "hf_static_compile", "hf_generate_batch", "hf_eager")
 
 
 def llama_1b_config(num_layers: int = 16):
@@ -96,44 +96,71 @@ def run_paged_ops(cfg, batches, prompt_len, new_tokens, args):
         backend=args.backend,
         max_num_seqs=max(batches),
         max_model_len=max_len,
+        max_num_tokens=args.max_num_tokens,
         num_blocks=num_blocks,
         compile=args.compile,
         cuda_graphs=args.compile,
     )
+    setup = time.perf_counter() - t0
+    print(f"  LLM ready in {setup:.1f} s (backend {llm.pa.layer_backends[0]})", flush=True)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     warm = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    llm.generate(prompts(2, prompt_len, cfg.vocab_size), warm, use_tqdm=False)
-    setup = time.perf_counter() - t0
     rows = []
     for b in batches:
         ps = prompts(b, prompt_len, cfg.vocab_size)
+        _, first = timed(lambda ps=ps: len(llm.generate(ps, warm, use_tqdm=False)))
         n, dt = timed(
             lambda ps=ps: sum(len(o.token_ids) for o in llm.generate(ps, params, use_tqdm=False))
         )
         m = llm.last_metrics
-        rows.append(dict(batch=b, tokens=n, seconds=dt, tok_s=n / dt, warmup_s=setup,
+        rows.append(dict(batch=b, tokens=n, seconds=dt, tok_s=n / dt, warmup_s=setup + first,
                          ttft_ms=m.mean_time_to_first_token_s * 1e3, steps=m.num_steps,
-                         backend=llm.pa.layer_backends[0], num_blocks=llm.pa.kv_cache.num_blocks))  # fmt: skip
-        print(f"  paged_ops b={b}: {n / dt:,.0f} tok/s ({m.num_steps} steps)", flush=True)
+                         decode_steps=m.num_decode_steps, backend=llm.pa.layer_backends[0],
+                         num_blocks=llm.pa.kv_cache.num_blocks))  # fmt: skip
+        print(f"  b={b}: {n / dt:,.0f} tok/s ({m.num_steps} steps, {m.num_decode_steps} decode, "
+              f"TTFT {m.mean_time_to_first_token_s * 1e3:.0f} ms)", flush=True)  # fmt: skip
+    if args.profile:
+        profile_paged_ops(llm, cfg, prompt_len, args.profile)
     return rows
+
+
+def profile_paged_ops(llm, cfg, prompt_len: int, batches: str) -> None:
+    """Where the time goes: torch.profiler over a short generate per batch size."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from paged_ops import SamplingParams
+
+    for b in (int(x) for x in batches.split(",")):
+        ps = prompts(b, prompt_len, cfg.vocab_size)
+        params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(ps, params, use_tqdm=False)
+            sync()
+        m = llm.last_metrics
+        print(f"\n--- profile b={b}: {m.num_steps} steps in {m.elapsed_s * 1e3:.1f} ms "
+              f"({m.elapsed_s / m.num_steps * 1e3:.2f} ms/step) ---")  # fmt: skip
+        table = prof.key_averages()
+        print(table.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+        print(table.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
 
 
 def run_hf_generate(cfg, batches, prompt_len, new_tokens, args, static: bool):
     model = build_model(cfg, DEVICE)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    if static:
-        kw["cache_implementation"] = "static"
     rows = []
     for b in batches:
         ids = torch.tensor(prompts(b, prompt_len, cfg.vocab_size), device=DEVICE)
         mask = torch.ones_like(ids)
 
-        def call(ids=ids, mask=mask) -> int:
+        def call(n: int, ids=ids, mask=mask) -> int:
+            kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            if static:
+                kw["cache_implementation"] = "static"
             out = model.generate(ids, attention_mask=mask, **kw)
             return (out.shape[1] - prompt_len) * out.shape[0]
 
-        _, first = timed(call)  # compiles (static) / warms up kernels (eager)
-        n, dt = timed(call)
+        # static: the same lengths, so the first call compiles the graph the timed call uses
+        _, first = timed(lambda: call(new_tokens if static else 16))
+        n, dt = timed(lambda: call(new_tokens))
         rows.append(dict(batch=b, tokens=n, seconds=dt, tok_s=n / dt, warmup_s=first))
         print(f"  b={b}: {n / dt:,.0f} tok/s (first call {first:.1f} s)", flush=True)
     return rows
@@ -145,19 +172,22 @@ def run_hf_generate_batch(cfg, batches, prompt_len, new_tokens, args):
     model = build_model(cfg, DEVICE)
     rows = []
     for b in batches:
+        if b < args.generate_batch_min:
+            print(f"  b={b}: skipped (--generate-batch-min {args.generate_batch_min})")
+            continue
         ps = prompts(b, prompt_len, cfg.vocab_size)
-        gen_cfg = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)  # fmt: skip
 
-        def call(ps=ps, gen_cfg=gen_cfg) -> int:
+        def call(n: int, ps=ps) -> int:
+            gen_cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)  # fmt: skip
             try:
                 out = model.generate_batch(inputs=ps, generation_config=gen_cfg, progress_bar=False)
             except TypeError:  # releases without the progress_bar keyword
                 out = model.generate_batch(inputs=ps, generation_config=gen_cfg)
             return sum(len(o.generated_tokens) for o in out.values())
 
-        _, first = timed(call)
-        n, dt = timed(call)
+        _, first = timed(lambda: call(16))
+        n, dt = timed(lambda: call(new_tokens))
         rows.append(dict(batch=b, tokens=n, seconds=dt, tok_s=n / dt, warmup_s=first))
         print(f"  b={b}: {n / dt:,.0f} tok/s (first call {first:.1f} s)", flush=True)
     return rows
@@ -171,14 +201,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--backend", default="auto", help="paged_ops attention backend")
-    parser.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="paged_ops: torch.compile + CUDA graphs",
-    )
+    parser.add_argument("--max-num-tokens", type=int, default=4096, help="paged_ops step budget")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="paged_ops: torch.compile + CUDA graphs")  # fmt: skip
+    parser.add_argument("--generate-batch-min", type=int, default=64,
+                        help="smallest batch for generate_batch (10 tok/s at batch 1)")  # fmt: skip
+    parser.add_argument("--profile", default="", help="paged_ops batches to profile, e.g. 1,64")
     parser.add_argument("--quick", action="store_true", help="64 new tokens, batches 1 and 64")
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--out", help="write the results as JSON here (after every system)")
     args = parser.parse_args()
     if args.quick:
         args.new_tokens, args.batches = 64, "1,64"
@@ -191,6 +221,14 @@ def main() -> None:
         "hf_static_compile": lambda: run_hf_generate(cfg, batches, args.prompt_len, args.new_tokens, args, True),
         "hf_generate_batch": lambda: run_hf_generate_batch(cfg, batches, args.prompt_len, args.new_tokens, args),
     }  # fmt: skip
+    import transformers
+
+    meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                torch=torch.__version__, transformers=transformers.__version__,
+                python=platform.python_version(), prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens, layers=args.layers, batches=batches,
+                max_num_tokens=args.max_num_tokens, dtype="bfloat16", greedy=True,
+                ignore_eos=True)  # fmt: skip
     for name in args.systems.split(","):
         print(f"{name}:", flush=True)
         try:
@@ -202,16 +240,10 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         torch._dynamo.reset()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"settings": meta, "results": results}, f, indent=2)
     print_table(results, batches)
-    if args.out:
-        import transformers
-
-        meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
-                    transformers=transformers.__version__, python=platform.python_version(),
-                    prompt_len=args.prompt_len, new_tokens=args.new_tokens, layers=args.layers,
-                    batches=batches, dtype="bfloat16", greedy=True, ignore_eos=True)  # fmt: skip
-        with open(args.out, "w") as f:
-            json.dump({"settings": meta, "results": results}, f, indent=2)
 
 
 def print_table(results: dict[str, object], batches: list[int]) -> None:

@@ -61,8 +61,8 @@ def make_llm(models, **kwargs) -> LLM:
 
 
 def test_greedy_matches_hf_generate_for_ragged_batch_with_chunked_prefill(models):
-    # max_model_len=40 makes the step budget 40 tokens: the long prompts are prefilled in chunks
-    llm = make_llm(models, max_model_len=40, num_blocks=64)
+    # a 40-token step budget: the long prompts are prefilled in chunks, mixed with decodes
+    llm = make_llm(models, max_model_len=48, num_blocks=64, max_num_tokens=40)
     prompts = prompts_of([1, 7, 23, 33, 4])
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=6), use_tqdm=False)
     assert llm.scheduler.num_prefill_chunks > 0

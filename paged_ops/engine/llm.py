@@ -16,6 +16,7 @@ from paged_ops.engine.runner import ModelRunner
 from paged_ops.engine.sampler import SamplingBatch, sample
 from paged_ops.engine.scheduler import Scheduler
 from paged_ops.engine.scheduler import Sequence as Seq
+from paged_ops.metadata import MetadataBuilder
 from paged_ops.module import PagedAttention
 
 _CPU_KV_BYTES = 1 << 30  # default KV budget on CPU
@@ -77,6 +78,8 @@ class LLM:
         compile: compile the forward with ``torch.compile(fullgraph=True)``.
         cuda_graphs: replay decode steps from CUDA graphs (CUDA only).
         prefix_caching: share KV blocks of common prompt prefixes.
+        max_num_tokens: token budget of one step (chunked prefill); default
+            ``max(2048, max_num_seqs)``. Applies when the LLM patches the model itself.
 
     Example:
         >>> llm = LLM(model, tokenizer)
@@ -98,6 +101,7 @@ class LLM:
         compile: bool = True,
         cuda_graphs: bool = True,
         prefix_caching: bool = True,
+        max_num_tokens: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
@@ -109,9 +113,15 @@ class LLM:
         model.eval()
         self.model, self.tokenizer = model, tokenizer
         self.pa = self._patched(
-            model, backend, block_size, max_num_seqs, max_model_len, num_blocks,
+            model,
+            backend,
+            block_size,
+            max_num_seqs,
+            max_model_len,
+            num_blocks,
             gpu_memory_utilization,
-        )  # fmt: skip
+            max(max_num_tokens or 2048, max_num_seqs),
+        )
         self.vocab_size = int(model.config.vocab_size)
         gen_cfg = getattr(model, "generation_config", None)
         self.eos_ids = _token_ids(getattr(gen_cfg, "eos_token_id", None)) or _token_ids(
@@ -143,6 +153,7 @@ class LLM:
         max_model_len: int | None,
         num_blocks: int | None,
         util: float,
+        max_num_tokens: int,
     ) -> PagedAttention:
         from paged_ops.integrations import transformers as hf
 
@@ -157,7 +168,7 @@ class LLM:
             num_blocks = _profile_num_blocks(
                 model,
                 block_size=block_size,
-                max_num_tokens=max(max_model_len, max_num_seqs),
+                max_num_tokens=max_num_tokens,
                 max_num_seqs=max_num_seqs,
                 util=util,
             )
@@ -173,7 +184,7 @@ class LLM:
             )
             want = max_num_seqs * blocks_needed(max_model_len, block_size)
             num_blocks = max(min(want, _CPU_KV_BYTES // per_block), 1)
-        return hf.patch_model(
+        pa = hf.patch_model(
             model,
             backend=backend,
             block_size=block_size,
@@ -181,6 +192,19 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
         )
+        old = pa.builder
+        if old.max_num_tokens != max_num_tokens:
+            # patch_model sizes the step for max(max_model_len, max_num_seqs) tokens; the engine's
+            # chunked prefill wants its own budget. Same layout otherwise; nothing has run yet.
+            pa.builder = MetadataBuilder(
+                max_num_tokens=max_num_tokens,
+                max_num_seqs=old.max_num_seqs,
+                max_blocks_per_seq=old.max_blocks_per_seq,
+                block_size=old.block_size,
+                num_blocks=old.num_blocks,
+                device=old.device,
+            )
+        return pa
 
     # ---- input checks (all before any work) ----
 

@@ -125,11 +125,20 @@ class ModelRunner:
 
         Uses only KV block 0 (nobody holds blocks yet), so it must run before any request.
         """
-        for tokens, seqs in ((min(16, self.max_num_tokens), 2), (2, 2)):
-            n = tokens // seqs
+        shapes = [(min(16, self.max_num_tokens), 2), (2, 2)]
+        if self.device.type == "cuda":
+            # Kernels JIT-compile a variant per launch configuration (tiles and KV splits chosen
+            # from T and S, integer specialisations): meet them here, not in the first requests.
+            seq_counts = {s for s in (2, 3, 8, 16, 64, self.max_num_seqs) if s <= self.max_num_seqs}
+            for seqs in sorted(seq_counts):
+                for t in (seqs, seqs + 1, 2 * seqs + 1, 64, 255, 1024, 4096, self.max_num_tokens):
+                    if seqs <= t <= self.max_num_tokens:
+                        shapes.append((t, seqs))
+        for tokens, seqs in shapes:
+            n = min(tokens // seqs, self.pa.max_model_len)
             slices = [SequenceSlice([0] * -(-n // self.pa.block_size), 0, n)] * seqs
             self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
-            self._load_ids([0] * tokens, tokens)
+            self._load_ids([0] * (n * seqs), tokens)
             self._call(tokens)
         if not self.use_graphs:
             return
