@@ -86,10 +86,57 @@ def _family_configs() -> dict[str, tuple[str, dict[str, Any]]]:
                 "layer_types": ["sliding_attention", "full_attention"],
             },
         ),
+        "gemma": ("GemmaConfig", {"head_dim": 16}),
+        "mixtral": (
+            "MixtralConfig",
+            {"sliding_window": WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2},
+        ),
         "olmo2": ("Olmo2Config", {}),
         "granite": ("GraniteConfig", {"attention_multiplier": 0.2}),
         "cohere": ("CohereConfig", {"use_qk_norm": False}),
         "starcoder2": ("Starcoder2Config", {"sliding_window": WINDOW}),
+        "olmo": ("OlmoConfig", {}),
+        "olmo3": (
+            "Olmo3Config",
+            {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+        ),
+        "qwen2_moe": (
+            "Qwen2MoeConfig",
+            {
+                "use_sliding_window": True,
+                "sliding_window": WINDOW,
+                "max_window_layers": 1,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 32,
+            },
+        ),
+        "phi": ("PhiConfig", {}),
+        "glm": ("GlmConfig", {"head_dim": 16}),
+        "glm4": ("Glm4Config", {"head_dim": 16}),
+        "helium": ("HeliumConfig", {"head_dim": 16}),
+        "ministral": (
+            "MinistralConfig",
+            {
+                "head_dim": 16,
+                "sliding_window": WINDOW,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+        ),
+        "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2}),
+        "arcee": ("ArceeConfig", {}),
+        "apertus": ("ApertusConfig", {}),
+        "seed_oss": ("SeedOssConfig", {"head_dim": 16}),
+        "stablelm": ("StableLmConfig", {}),
+        "granitemoe": ("GraniteMoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        "nemotron": ("NemotronConfig", {}),
+        "cohere2": (
+            "Cohere2Config",
+            {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+        ),
+        "ernie4_5": ("Ernie4_5Config", {"head_dim": 16}),
+        "hunyuan_v1_dense": ("HunYuanDenseV1Config", {"head_dim": 16}),
     }
 
 

@@ -43,6 +43,7 @@ def _eager_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list
 @torch.no_grad()
 def test_patched_model_matches_eager_logits_and_greedy_tokens(family: str) -> None:
     model = build_model(family)
+    assert model.config.model_type == family
     twin = copy.deepcopy(model)
     pa = patch_model(model, backend="reference", max_model_len=64)
     assert pa is not None
@@ -60,6 +61,7 @@ def test_patched_model_matches_eager_logits_and_greedy_tokens(family: str) -> No
 FEATURES = [
     ("mistral", {"sliding_window": None}),
     ("qwen2", {"use_sliding_window": False}),
+    ("qwen2_moe", {"use_sliding_window": False}),
     ("gemma2", {"attn_logit_softcapping": None}),
     ("gemma2", {"query_pre_attn_scalar": 16}),
     ("gemma3_text", {"sliding_window": 64}),
