@@ -42,23 +42,27 @@ def write_kv_kernel(
     stride_ch,
     stride_cd,
     block_size,
+    num_kv_heads,
     head_dim,
+    H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
+    # One program per token moves all of its heads: [H_PAD, D_PAD] tiles of K and V.
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
+    offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
     # (slot broadcast to a block first: the interpreter rejects a scalar & block mask)
-    mask = (offs_d < head_dim) & (offs_d * 0 + slot >= 0)
-    blk = slot // block_size
-    dst = cache_ptr + blk * stride_cn + (slot % block_size) * stride_cb + head * stride_ch
-    dst = dst + offs_d * stride_cd
-    src = token.to(tl.int64)
-    k = tl.load(key_ptr + src * stride_kt + head * stride_kh + offs_d * stride_kd, mask=mask)
-    v = tl.load(value_ptr + src * stride_vt + head * stride_vh + offs_d * stride_vd, mask=mask)
-    tl.store(dst, k, mask=mask)
-    tl.store(dst + stride_ckv, v, mask=mask)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)
+    mask = mask & (offs_d[None, :] * 0 + slot >= 0)
+    dst = cache_ptr + (slot // block_size) * stride_cn + (slot % block_size) * stride_cb
+    dst = dst + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
+    k_src = key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd
+    v_src = (
+        value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd
+    )
+    tl.store(dst, tl.load(k_src, mask=mask), mask=mask)
+    tl.store(dst + stride_ckv, tl.load(v_src, mask=mask), mask=mask)
 
 
 @triton.jit
