@@ -31,7 +31,7 @@ from paged_ops.module import LayerConfig, PagedAttention
 
 ATTN_IMPLEMENTATION = "paged_ops"
 _PA_ATTR = "_paged_ops_attention"  # on each attention module: the model's PagedAttention
-_STATE_ATTR = "_paged_ops_state"  # on the model: (original attn implementation, PagedAttention)
+_STATE_ATTR = "_paged_ops_state"  # on the model: (original attn implementation, use_cache, pa)
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_CACHE_SEQS = 8  # the default cache holds this many full-length sequences
 
@@ -285,7 +285,9 @@ def patch_model(
         return None
     for m in modules:
         object.__setattr__(m, _PA_ATTR, pa)  # not a submodule: state dict and .to() unchanged
-    object.__setattr__(model, _STATE_ATTR, (original, pa))
+    # The KV cache is ours: a forward that forgets use_cache=False must not also grow a DynamicCache.
+    object.__setattr__(model, _STATE_ATTR, (original, getattr(config, "use_cache", None), pa))
+    config.use_cache = False
     return pa
 
 
@@ -294,8 +296,9 @@ def unpatch_model(model: nn.Module) -> None:
     state = model.__dict__.get(_STATE_ATTR)
     if state is None:
         raise ValueError("the model is not patched by paged_ops")
-    original, _ = state
+    original, use_cache, _ = state
     model.set_attn_implementation(original)
+    model.config.use_cache = use_cache
     for m in _attention_modules(model):
         m.__dict__.pop(_PA_ATTR, None)
     del model.__dict__[_STATE_ATTR]

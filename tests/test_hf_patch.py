@@ -121,8 +121,9 @@ def test_unpatch_restores_eager_outputs_and_patch_works_again() -> None:
     ids = torch.tensor([PROMPTS[1]])
     pa = patch_model(model, backend="reference", max_model_len=64)
     forward_step(model, pa, {0: PROMPTS[1]})
+    assert not model.config.use_cache
     unpatch_model(model)
-    assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == "eager" and model.config.use_cache
     assert not any("_paged_ops_attention" in vars(m) for m in model.modules())
     torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=0, atol=0)
     with pytest.raises(ValueError, match="not patched"):
@@ -168,3 +169,16 @@ def test_call_time_parameters_that_disagree_with_the_patch_raise() -> None:
     model.config.sliding_window = 3  # the model now passes a window patch_model did not read
     with pytest.raises(ValueError, match="sliding_window=3"):
         forward_step(model, pa, {0: PROMPTS[0]})
+
+
+@torch.no_grad()
+def test_bfloat16_model_gets_a_bfloat16_cache_and_close_logits() -> None:
+    model = build_model("qwen3")
+    twin = copy.deepcopy(model)  # float32 eager: the yardstick
+    pa = patch_model(model.to(torch.bfloat16), backend="reference", max_model_len=64)
+    assert pa.kv_cache.layers[0].dtype == torch.bfloat16
+    logits, _ = paged_greedy(model, pa, PROMPTS, 1)
+    for i, prompt in enumerate(PROMPTS):
+        ref = twin(torch.tensor([prompt])).logits[0, -1]
+        err = float((logits[i].float() - ref).norm() / ref.norm())
+        assert err < 3e-2, f"prompt {i}: relative error {err:.2e}"
