@@ -64,8 +64,10 @@ def build_model(cfg, device: torch.device):
     return model.eval()
 
 
-def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(n)
+def prompts(n: int, length: int, vocab: int, warm: bool = False) -> list[list[int]]:
+    """``n`` random prompts; warm-up calls get other prompts than the timed call, so that no
+    system's prefix cache can serve the timed call's prompts from the warm-up."""
+    g = torch.Generator().manual_seed(2 * n + warm)
     return torch.randint(1, vocab, (n, length), generator=g).tolist()
 
 
@@ -108,7 +110,8 @@ def run_paged_ops(cfg, batches, prompt_len, new_tokens, args):
     rows = []
     for b in batches:
         ps = prompts(b, prompt_len, cfg.vocab_size)
-        _, first = timed(lambda ps=ps: len(llm.generate(ps, warm, use_tqdm=False)))
+        ws = prompts(b, prompt_len, cfg.vocab_size, warm=True)
+        _, first = timed(lambda ws=ws: len(llm.generate(ws, warm, use_tqdm=False)))
         n, dt = timed(
             lambda ps=ps: sum(len(o.token_ids) for o in llm.generate(ps, params, use_tqdm=False))
         )
@@ -186,7 +189,8 @@ def run_hf_generate_batch(cfg, batches, prompt_len, new_tokens, args):
                 out = model.generate_batch(inputs=ps, generation_config=gen_cfg)
             return sum(len(o.generated_tokens) for o in out.values())
 
-        _, first = timed(lambda: call(16))
+        warm_ps = prompts(b, prompt_len, cfg.vocab_size, warm=True)
+        _, first = timed(lambda warm_ps=warm_ps: call(16, warm_ps))
         n, dt = timed(lambda: call(new_tokens))
         rows.append(dict(batch=b, tokens=n, seconds=dt, tok_s=n / dt, warmup_s=first))
         print(f"  b={b}: {n / dt:,.0f} tok/s (first call {first:.1f} s)", flush=True)
