@@ -31,7 +31,7 @@ from paged_ops.module import LayerConfig, PagedAttention
 
 ATTN_IMPLEMENTATION = "paged_ops"
 _PA_ATTR = "_paged_ops_attention"  # on each attention module: the model's PagedAttention
-_STATE_ATTR = "_paged_ops_state"  # on the model: (original attn implementation, use_cache, pa)
+_STATE_ATTR = "_paged_ops_state"  # on the model: (original attn implementation, pa, use_cache)
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_CACHE_SEQS = 8  # the default cache holds this many full-length sequences
 
@@ -286,7 +286,7 @@ def patch_model(
     for m in modules:
         object.__setattr__(m, _PA_ATTR, pa)  # not a submodule: state dict and .to() unchanged
     # The KV cache is ours: a forward that forgets use_cache=False must not also grow a DynamicCache.
-    object.__setattr__(model, _STATE_ATTR, (original, getattr(config, "use_cache", None), pa))
+    object.__setattr__(model, _STATE_ATTR, (original, pa, getattr(config, "use_cache", None)))
     config.use_cache = False
     return pa
 
@@ -296,12 +296,18 @@ def unpatch_model(model: nn.Module) -> None:
     state = model.__dict__.get(_STATE_ATTR)
     if state is None:
         raise ValueError("the model is not patched by paged_ops")
-    original, use_cache, _ = state
+    original, _, use_cache = state
     model.set_attn_implementation(original)
     model.config.use_cache = use_cache
     for m in _attention_modules(model):
         m.__dict__.pop(_PA_ATTR, None)
     del model.__dict__[_STATE_ATTR]
+
+
+def paged_attention_of(model: nn.Module) -> PagedAttention | None:
+    """The PagedAttention :func:`patch_model` attached to ``model``, or ``None`` if unpatched."""
+    state = model.__dict__.get(_STATE_ATTR)
+    return None if state is None else state[1]
 
 
 def forward_step(

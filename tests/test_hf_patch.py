@@ -13,6 +13,7 @@ from hf_models import build_model, make_prompts, paged_greedy  # noqa: E402
 from paged_ops.integrations.transformers import (  # noqa: E402
     SUPPORTED_MODEL_TYPES,
     forward_step,
+    paged_attention_of,
     patch_model,
     unpatch_model,
 )
@@ -33,7 +34,7 @@ def _eager_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list
 def test_patch_sizes_the_cache_from_the_model() -> None:
     model = build_model("gemma2").to(torch.bfloat16)
     pa = patch_model(model, backend="reference", block_size=8, max_num_seqs=4)
-    assert isinstance(pa, PagedAttention)
+    assert isinstance(pa, PagedAttention) and paged_attention_of(model) is pa
     cfg = model.config
     assert model.config._attn_implementation == "paged_ops"
     assert pa.max_model_len == min(cfg.max_position_embeddings, 4096)
@@ -104,7 +105,7 @@ def test_unsupported_model_is_refused_with_the_supported_families(case: str) -> 
     with pytest.warns(UserWarning, match=reason):
         assert patch_model(model, backend="reference", strict=False) is None
     assert model.config._attn_implementation == impl
-    assert not hasattr(model, "_paged_ops_state")
+    assert paged_attention_of(model) is None
 
 
 def test_patching_twice_is_refused() -> None:
@@ -125,6 +126,7 @@ def test_unpatch_restores_eager_outputs_and_patch_works_again() -> None:
     unpatch_model(model)
     assert model.config._attn_implementation == "eager" and model.config.use_cache
     assert not any("_paged_ops_attention" in vars(m) for m in model.modules())
+    assert paged_attention_of(model) is None
     torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=0, atol=0)
     with pytest.raises(ValueError, match="not patched"):
         unpatch_model(model)
