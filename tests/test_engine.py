@@ -140,6 +140,31 @@ def test_stop_tokens_end_requests_and_stream_matches_generate(models):
     assert out.token_ids == full.token_ids[: first_stop + 1] and out.finish_reason == "stop"
 
 
+class LetterTokenizer:
+    """Token i is chr(ord("A") + i % 26); enough of the HF tokenizer interface for the LLM."""
+
+    eos_token_id = None
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) - ord("A") + 1 for c in text]}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("A") + i % 26) for i in ids)
+
+
+def test_text_prompts_decode_and_stream_the_same_text(models):
+    llm = LLM(copy.deepcopy(models[1]), LetterTokenizer(), backend="reference", compile=False,
+              block_size=4, max_num_seqs=4, max_model_len=64, num_blocks=64)  # fmt: skip
+    params = SamplingParams(max_new_tokens=7)
+    outs = llm.generate(["HELLO", "PAGED"], params, use_tqdm=False)
+    for text, out in zip(["HELLO", "PAGED"], outs, strict=True):
+        assert out.prompt_token_ids == LetterTokenizer()(text)["input_ids"]
+        assert out.text == LetterTokenizer().decode(out.token_ids)
+        assert out.token_ids == hf_greedy(models[0], out.prompt_token_ids, 7)
+    streamed = "".join(c.text for c in llm.stream("HELLO", params))
+    assert streamed == outs[0].text
+
+
 def test_closing_a_stream_early_frees_its_blocks(models):
     llm = make_llm(models, max_model_len=64, num_blocks=64)
     stream = llm.stream(prompts_of([10], seed=8)[0], SamplingParams(max_new_tokens=20))
