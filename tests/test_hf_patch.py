@@ -184,3 +184,26 @@ def test_bfloat16_model_gets_a_bfloat16_cache_and_close_logits() -> None:
         ref = twin(torch.tensor([prompt])).logits[0, -1]
         err = float((logits[i].float() - ref).norm() / ref.norm())
         assert err < 3e-2, f"prompt {i}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mistral"])
+@torch.no_grad()
+def test_no_attention_mask_is_built(family: str) -> None:
+    import paged_ops.integrations.transformers as hf
+    from transformers import AttentionInterface
+
+    model = build_model(family)
+    pa = patch_model(model, backend="reference", max_model_len=64)
+    masks = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        masks.append(attention_mask)
+        return hf.paged_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(hf.ATTN_IMPLEMENTATION, spy)
+    try:
+        forward_step(model, pa, dict(enumerate(PROMPTS)))
+    finally:
+        AttentionInterface.register(hf.ATTN_IMPLEMENTATION, hf.paged_attention_forward)
+    assert len(masks) == model.config.num_hidden_layers
+    assert all(m is None for m in masks)
