@@ -169,6 +169,8 @@ def test_closing_a_stream_early_frees_its_blocks(models):
     llm = make_llm(models, max_model_len=64, num_blocks=64)
     stream = llm.stream(prompts_of([10], seed=8)[0], SamplingParams(max_new_tokens=20))
     next(stream)
+    with pytest.raises(RuntimeError, match="still running"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
     stream.close()
     assert llm.pa.allocator.num_free == 64 and not llm.scheduler.has_work()
 

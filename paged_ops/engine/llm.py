@@ -260,6 +260,10 @@ class LLM:
     def _run(self, seqs: list[Seq], metrics: GenerationMetrics) -> Iterator[list[Seq]]:
         """Step until every sequence has finished; yields the sequences that advanced each step."""
         sched = self.scheduler
+        if sched.has_work():
+            raise RuntimeError(
+                "another generate/stream of this LLM is still running; finish or close it first"
+            )
         preempted0, cached0 = sched.num_preemptions, sched.num_cached_blocks
         for seq in seqs:
             sched.add(seq)
