@@ -157,9 +157,9 @@ class LLM:
     ) -> PagedAttention:
         from paged_ops.integrations import transformers as hf
 
-        state = model.__dict__.get(hf._STATE_ATTR)
-        if state is not None:
-            return state[1]  # patched by the caller: use its cache as configured
+        patched = hf.paged_attention_of(model)
+        if patched is not None:
+            return patched  # patched by the caller: use its cache as configured
         if max_model_len is None:
             max_pos = getattr(model.config, "max_position_embeddings", None)
             max_model_len = min(max_pos or hf.DEFAULT_MAX_MODEL_LEN, hf.DEFAULT_MAX_MODEL_LEN)
