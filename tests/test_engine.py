@@ -233,3 +233,15 @@ def test_compiled_forward_does_not_recompile_across_steps(monkeypatch):
     assert [o.token_ids for o in first] == [
         o.token_ids for o in eager.generate(prompts, SamplingParams(max_new_tokens=4))
     ]
+
+
+def test_llm_serves_a_model_the_caller_already_patched(models):
+    from paged_ops.integrations.transformers import patch_model
+
+    model = copy.deepcopy(models[1])
+    pa = patch_model(model, backend="reference", block_size=4, num_blocks=32, max_model_len=48)
+    llm = LLM(model, compile=False)
+    assert llm.pa is pa and llm.pa.kv_cache.num_blocks == 32
+    prompt = prompts_of([10], seed=11)[0]
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=4), use_tqdm=False)[0]
+    assert out.token_ids == hf_greedy(models[0], prompt, 4)
