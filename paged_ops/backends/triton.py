@@ -24,7 +24,7 @@ from paged_ops.backends import LayerSpec
 from paged_ops.backends import triton_kernels as kernels
 
 MAX_HEAD_DIM = 256
-MAX_SEGMENTS = 16
+MAX_SEGMENTS = 64  # batch 1 x 16k: 8 KV heads x 64 segments ~ 4 waves on 132 SMs
 
 
 def _interpreting() -> bool:
@@ -113,7 +113,7 @@ def launch_config(
 
     Decode-like steps (``T <= 2 S``) use a 16-row M tile (one or a few tokens x the group); prefill
     and mixed steps a 64-row tile. When the one-pass grid would leave most SMs idle (small decode
-    batches), the KV range is split into up to 16 segments. ``num_segments`` forces the split.
+    batches), the KV range is split into up to MAX_SEGMENTS segments. ``num_segments`` forces the split.
     """
     group = num_q_heads // num_kv_heads
     decode_like = num_tokens <= 2 * num_seqs
