@@ -86,11 +86,12 @@ def test_metadata_builder_copies_each_step_into_fixed_device_buffers():
     ptr = None
     for step in range(20):
         n = 1 + step % 5
-        md = b.build([SequenceSlice([step % 32, 5], 10 + step, n)], num_tokens=8, num_seqs=2)
+        context = 16 + step % 10  # 17..30 tokens after the step: both blocks in use
+        md = b.build([SequenceSlice([step % 32, 5], context, n)], num_tokens=8, num_seqs=2)
         assert md.slot_mapping.is_cuda and md.block_table.is_cuda
         if ptr is None:
             ptr = md.seq_lens.data_ptr()
         assert md.seq_lens.data_ptr() == ptr
-        assert md.seq_lens.tolist() == [10 + step + n, 0]
+        assert md.seq_lens.tolist() == [context + n, 0]
         assert md.block_table[0, :2].tolist() == [step % 32, 5]
         assert md.slot_mapping[n:].tolist() == [-1] * (8 - n)
