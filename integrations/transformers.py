@@ -19,6 +19,7 @@ The model then runs on packed inputs: see :func:`forward_step` and the README fo
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from paged_ops.module import LayerConfig, PagedAttention
 
 ATTN_IMPLEMENTATION = "paged_ops"
 _PA_ATTR = "_paged_ops_attention"  # on each attention module: the model's PagedAttention
-_STATE_ATTR = "_paged_ops_state"  # on the model: (original attn implementation, pa, use_cache)
+_STATE_ATTR = "_paged_ops_state"  # on the model: (original config, pa, patched private config)
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_CACHE_SEQS = 8  # the default cache holds this many full-length sequences
 
@@ -277,18 +278,28 @@ def patch_model(
         backend=backend,
     )
     _register()
-    original = config._attn_implementation
+    # transformers shares one config object between every model built from it: patch a private
+    # copy, so that another model built from the same config keeps its attention and its cache.
+    private = copy.deepcopy(config)
+    _swap_config(model, config, private)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    if config._attn_implementation != ATTN_IMPLEMENTATION:
-        model.set_attn_implementation(original)
+    if private._attn_implementation != ATTN_IMPLEMENTATION:
+        _swap_config(model, private, config)
         _refuse("its attention implementation cannot be switched at run time", strict)
         return None
     for m in modules:
         object.__setattr__(m, _PA_ATTR, pa)  # not a submodule: state dict and .to() unchanged
     # The KV cache is ours: a forward that forgets use_cache=False must not also grow a DynamicCache.
-    object.__setattr__(model, _STATE_ATTR, (original, pa, getattr(config, "use_cache", None)))
-    config.use_cache = False
+    private.use_cache = False
+    object.__setattr__(model, _STATE_ATTR, (config, pa, private))
     return pa
+
+
+def _swap_config(model: nn.Module, old: object, new: object) -> None:
+    """Point every module of ``model`` that holds config ``old`` at ``new``."""
+    for m in model.modules():
+        if m.__dict__.get("config") is old:
+            m.config = new
 
 
 def unpatch_model(model: nn.Module) -> None:
@@ -296,9 +307,8 @@ def unpatch_model(model: nn.Module) -> None:
     state = model.__dict__.get(_STATE_ATTR)
     if state is None:
         raise ValueError("the model is not patched by paged_ops")
-    original, _, use_cache = state
-    model.set_attn_implementation(original)
-    model.config.use_cache = use_cache
+    shared, _, private = state
+    _swap_config(model, private, shared)  # the config as it was, never modified
     for m in _attention_modules(model):
         m.__dict__.pop(_PA_ATTR, None)
     del model.__dict__[_STATE_ATTR]

@@ -207,3 +207,22 @@ def test_no_attention_mask_is_built(family: str) -> None:
         AttentionInterface.register(hf.ATTN_IMPLEMENTATION, hf.paged_attention_forward)
     assert len(masks) == model.config.num_hidden_layers
     assert all(m is None for m in masks)
+
+
+@torch.no_grad()
+def test_patch_leaves_other_models_of_the_same_config_alone() -> None:
+    # transformers shares one config object between models built from it; patching one of them
+    # must not switch the other's attention or turn its KV cache off.
+    import transformers
+
+    model = build_model("llama")
+    shared = model.config
+    pa = patch_model(model, num_blocks=16, max_model_len=64)
+    assert model.config is not shared and model.model.config is model.config
+    assert (shared._attn_implementation, shared.use_cache) == ("eager", True)
+    twin = transformers.AutoModelForCausalLM.from_config(shared, dtype=torch.float32)
+    assert twin.config.use_cache and twin.config._attn_implementation == "eager"
+    _, tokens = paged_greedy(model, pa, make_prompts([5, 7]), 2)  # the patched model still runs
+    assert [len(t) for t in tokens] == [2, 2]
+    unpatch_model(model)
+    assert model.config is shared and model.model.config is shared
