@@ -223,6 +223,7 @@ def patch_model(
     max_num_seqs: int = 256,
     max_model_len: int | None = None,
     strict: bool = True,
+    max_num_tokens: int | None = None,
 ) -> PagedAttention | None:
     """Switch a Hugging Face causal LM to paged-KV-cache attention; return its PagedAttention.
 
@@ -234,6 +235,7 @@ def patch_model(
             ``max_model_len`` tokens each.
         max_num_seqs: most sequences per step.
         max_model_len: longest sequence; default ``min(config.max_position_embeddings, 4096)``.
+        max_num_tokens: most tokens per step; default ``max(max_model_len, max_num_seqs)``.
         strict: raise ``ValueError`` for a model that cannot be served; with ``False``, warn and
             return ``None``, leaving the model untouched.
 
@@ -272,6 +274,7 @@ def patch_model(
         block_size=block_size,
         num_blocks=num_blocks,
         max_num_seqs=max_num_seqs,
+        max_num_tokens=max_num_tokens,
         max_model_len=max_model_len,
         dtype=param.dtype,
         device=param.device,

@@ -16,7 +16,6 @@ from paged_ops.engine.runner import ModelRunner
 from paged_ops.engine.sampler import SamplingBatch, sample
 from paged_ops.engine.scheduler import Scheduler
 from paged_ops.engine.scheduler import Sequence as Seq
-from paged_ops.metadata import MetadataBuilder
 from paged_ops.module import PagedAttention
 
 _CPU_KV_BYTES = 1 << 30  # default KV budget on CPU
@@ -184,27 +183,15 @@ class LLM:
             )
             want = max_num_seqs * blocks_needed(max_model_len, block_size)
             num_blocks = max(min(want, _CPU_KV_BYTES // per_block), 1)
-        pa = hf.patch_model(
+        return hf.patch_model(
             model,
             backend=backend,
             block_size=block_size,
             num_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
+            max_num_tokens=max_num_tokens,
         )
-        old = pa.builder
-        if old.max_num_tokens != max_num_tokens:
-            # patch_model sizes the step for max(max_model_len, max_num_seqs) tokens; the engine's
-            # chunked prefill wants its own budget. Same layout otherwise; nothing has run yet.
-            pa.builder = MetadataBuilder(
-                max_num_tokens=max_num_tokens,
-                max_num_seqs=old.max_num_seqs,
-                max_blocks_per_seq=old.max_blocks_per_seq,
-                block_size=old.block_size,
-                num_blocks=old.num_blocks,
-                device=old.device,
-            )
-        return pa
 
     # ---- input checks (all before any work) ----
 
