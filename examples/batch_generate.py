@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from generate import add_engine_args, build_llm
-
-from paged_ops import SamplingParams
+from generate import add_engine_args, build_llm, sampling_params
 
 TOPICS = ["the sea", "a city at night", "prime numbers", "an old clock", "rain", "bread"]
 
@@ -36,13 +34,7 @@ def main() -> None:
     parser.set_defaults(max_new_tokens=64)
     args = parser.parse_args()
     llm = build_llm(args, max_num_seqs=args.max_num_seqs)
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
+    params = sampling_params(args)
     outs = llm.generate(make_prompts(args.num_prompts), params)
     for i in (0, len(outs) - 1):
         print(f"[{i}] {outs[i].text!r} ({outs[i].finish_reason})")

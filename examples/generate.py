@@ -102,19 +102,24 @@ def build_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
     return llm
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_args(parser)
-    parser.add_argument("--prompt", default="Once upon a time, ")
-    args = parser.parse_args()
-    llm = build_llm(args, max_num_seqs=8)
-    params = SamplingParams(
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The SamplingParams given by the options of :func:`add_engine_args`."""
+    return SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_args(parser)
+    parser.add_argument("--prompt", default="Once upon a time, ")
+    args = parser.parse_args()
+    llm = build_llm(args, max_num_seqs=8)
+    params = sampling_params(args)
     print(args.prompt, end="", flush=True)
     for chunk in llm.stream(args.prompt, params):
         print(chunk.text, end="", flush=True)
