@@ -125,6 +125,9 @@ class MetadataBuilder:
             }
 
         self._host, self._dev = views(self._host_bytes), views(self._device_bytes)
+        # What each host block-table row holds (followed by zeros): a step rewrites only the part
+        # of a row that changed, usually nothing or one new block, instead of every block id.
+        self._rows: list[list[int]] = [[] for _ in range(max_num_seqs)]
         for region in (self._host, self._dev):
             region["block_table"] = region["block_table"].view(max_num_seqs, max_blocks_per_seq)
 
@@ -155,36 +158,38 @@ class MetadataBuilder:
             )
         slots: list[int] = []
         positions: list[int] = []
-        cu, lens, last, table = [0], [], [], []
-        width = self.max_blocks_per_seq
-        for seq in seqs:
+        cu, lens, last, rows = [0], [], [], []
+        width, bs = self.max_blocks_per_seq, self.block_size
+        for r, seq in enumerate(seqs):
             n, ctx, blocks = seq.num_new_tokens, seq.context_len, seq.block_ids
             total = ctx + n
             if n < 0 or ctx < 0:
                 raise ValueError(f"negative lengths in {seq}")
-            if blocks_needed(total, self.block_size) > min(len(blocks), width):
+            need = blocks_needed(total, bs)
+            if need > min(len(blocks), width):
                 raise ValueError(
-                    f"sequence of {total} tokens needs {blocks_needed(total, self.block_size)} "
-                    f"blocks, has {len(blocks)} (table width {width})"
+                    f"sequence of {total} tokens needs {need} blocks, has {len(blocks)} "
+                    f"(table width {width})"
                 )
-            used = blocks[: blocks_needed(total, self.block_size)]
-            if used and (min(used) < 0 or max(used) >= self.num_blocks):
-                raise ValueError(f"block ids {list(used)} out of range [0, {self.num_blocks})")
-            bs = self.block_size
+            used = list(blocks[:need])
+            old = self._rows[r]
+            keep = len(old) if used[: len(old)] == old else 0  # row prefix already in place
+            new = used[keep:]
+            if new and (min(new) < 0 or max(new) >= self.num_blocks):
+                raise ValueError(f"block ids {new} out of range [0, {self.num_blocks})")
+            rows.append((used, keep))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(ctx, total))
             positions.extend(range(ctx, total))
             cu.append(cu[-1] + n)
             lens.append(total)
             last.append(max(cu[-1] - 1, 0))
-            table.extend(used)
-            table.extend([0] * (width - len(used)))
         pad_tokens, pad_seqs = num_tokens - real_tokens, num_seqs - len(seqs)
         slots.extend([-1] * pad_tokens)
         positions.extend([0] * pad_tokens)
         cu.extend([cu[-1]] * pad_seqs)
         lens.extend([0] * pad_seqs)
         last.extend([0] * pad_seqs)
-        table.extend([0] * (width * pad_seqs))
+        rows.extend(([], 0) for _ in range(pad_seqs))
 
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous step's copy still reads the host buffer
@@ -194,9 +199,14 @@ class MetadataBuilder:
         host["logits_indices"][:num_seqs] = torch.tensor(last, dtype=torch.int64)
         host["cu_seqlens_q"][: num_seqs + 1] = torch.tensor(cu, dtype=torch.int32)
         host["seq_lens"][:num_seqs] = torch.tensor(lens, dtype=torch.int32)
-        host["block_table"][:num_seqs] = torch.tensor(table, dtype=torch.int32).view(
-            num_seqs, width
-        )
+        table = host["block_table"]  # [max_num_seqs, width]: used blocks, then zeros
+        for r, (used, keep) in enumerate(rows):
+            old_len = len(self._rows[r])
+            if len(used) > keep:
+                table[r, keep : len(used)] = torch.tensor(used[keep:], dtype=torch.int32)
+            if old_len > len(used):
+                table[r, len(used) : old_len] = 0
+            self._rows[r] = used
         if self._copy_done is not None:
             self._device_bytes.copy_(self._host_bytes, non_blocking=True)  # the one H2D copy
             self._copy_done.record()
