@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+import paged_ops
+
 
 @dataclass
 class PagedBatch:
@@ -161,3 +163,25 @@ def assert_matches_dense(
         got = out[starts[s] : starts[s] + batch.q_lens[s]].double().cpu()
         err = (got - ref).norm() / ref.norm().clamp_min(1e-12)
         assert err <= rtol, f"sequence {s}: relative error {err:.2e} > {rtol:.0e}"
+
+
+def attend(batch: PagedBatch, backend: str, num_segments: int | None = None, **kwargs: object):
+    """``paged_ops.paged_attention`` over ``batch``; with ``num_segments``, the triton backend
+    directly with that split-KV segment count forced. kwargs are the public wrapper's keywords."""
+    if num_segments is None:
+        return paged_ops.paged_attention(
+            batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
+            backend=backend, **kwargs,
+        )  # fmt: skip
+    from paged_ops.backends import triton as triton_backend
+
+    return triton_backend.paged_attention(
+        batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
+        scale=kwargs.get("scale", batch.query.shape[2] ** -0.5),
+        causal=kwargs.get("causal", True),
+        window=kwargs.get("sliding_window") or 0,
+        softcap=kwargs.get("softcap") or 0.0,
+        sinks=kwargs.get("sinks"),
+        alibi_slopes=kwargs.get("alibi_slopes"),
+        num_segments=num_segments,
+    )  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from paged_testing import assert_matches_dense, dense_batch_f64, make_batch
+from paged_testing import assert_matches_dense, attend, dense_batch_f64, make_batch
 
 import paged_ops
 from paged_ops.backends import LayerSpec, resolve_backend
@@ -28,34 +28,11 @@ MIXED = [(0, 7), (13, 1), (30, 5), (0, 1), (21, 1)]  # (context_len, q_len): pre
 
 
 def run_triton(batch, num_segments=None, **kwargs):
-    """write_kv through the public op, attention through the backend (to force ``num_segments``)."""
+    """write_kv through the public op, then attention (``num_segments`` forces split-KV)."""
     paged_ops.write_kv(
         batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend="triton"
     )
-    if num_segments is None:
-        return paged_ops.paged_attention(
-            batch.query,
-            batch.kv_cache,
-            batch.cu_seqlens_q,
-            batch.seq_lens,
-            batch.block_table,
-            backend="triton",
-            **kwargs,
-        )
-    return triton_backend.paged_attention(
-        batch.query,
-        batch.kv_cache,
-        batch.cu_seqlens_q,
-        batch.seq_lens,
-        batch.block_table,
-        scale=kwargs.get("scale", batch.query.shape[2] ** -0.5),
-        causal=kwargs.get("causal", True),
-        window=kwargs.get("sliding_window") or 0,
-        softcap=kwargs.get("softcap") or 0.0,
-        sinks=kwargs.get("sinks"),
-        alibi_slopes=kwargs.get("alibi_slopes"),
-        num_segments=num_segments,
-    )
+    return attend(batch, "triton", num_segments, **kwargs)
 
 
 def dense_kwargs(head_dim, kwargs):

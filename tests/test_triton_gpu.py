@@ -5,7 +5,7 @@ Run with ``python -m pytest -q -m gpu tests/test_triton_gpu.py`` on a CUDA machi
 
 import pytest
 import torch
-from paged_testing import assert_matches_dense, dense_batch_f64, make_batch
+from paged_testing import assert_matches_dense, attend, dense_batch_f64, make_batch
 
 import paged_ops
 from paged_ops.backends import triton as triton_backend
@@ -13,33 +13,6 @@ from paged_ops.backends import triton as triton_backend
 pytestmark = pytest.mark.gpu
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
-
-
-def attend(batch, backend, num_segments=None, **kwargs):
-    if num_segments is not None:
-        return triton_backend.paged_attention(
-            batch.query,
-            batch.kv_cache,
-            batch.cu_seqlens_q,
-            batch.seq_lens,
-            batch.block_table,
-            scale=kwargs.get("scale", batch.query.shape[2] ** -0.5),
-            causal=kwargs.get("causal", True),
-            window=kwargs.get("sliding_window") or 0,
-            softcap=kwargs.get("softcap") or 0.0,
-            sinks=kwargs.get("sinks"),
-            alibi_slopes=kwargs.get("alibi_slopes"),
-            num_segments=num_segments,
-        )
-    return paged_ops.paged_attention(
-        batch.query,
-        batch.kv_cache,
-        batch.cu_seqlens_q,
-        batch.seq_lens,
-        batch.block_table,
-        backend=backend,
-        **kwargs,
-    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
