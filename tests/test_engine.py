@@ -140,6 +140,34 @@ def test_stop_tokens_end_requests_and_stream_matches_generate(models):
     assert out.token_ids == full.token_ids[: first_stop + 1] and out.finish_reason == "stop"
 
 
+def test_overlapped_steps_give_the_same_outputs_as_one_sync_per_step(models):
+    prompts = prompts_of([5, 12, 3, 9, 17, 2], seed=9)
+    greedy = [hf_greedy(models[0], p, 10) for p in prompts]
+    stop = greedy[1][4]  # ends request 1 (at least) mid-run, while a step is queued ahead of it
+    params = [
+        SamplingParams(max_new_tokens=10),
+        SamplingParams(max_new_tokens=10, stop_token_ids=[stop]),
+        SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20, seed=11),
+        SamplingParams(max_new_tokens=7, temperature=1.1, top_p=0.8, seed=12),
+        SamplingParams(max_new_tokens=1),
+        SamplingParams(max_new_tokens=10, temperature=0.7, seed=13, stop_token_ids=[stop]),
+    ]
+    results = {}
+    for overlap in (False, True):
+        for num_blocks in (64, 14):  # 14 blocks of 4: preemption under the overlapped loop too
+            llm = make_llm(models, max_model_len=48, num_blocks=num_blocks, overlap=overlap)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            m = llm.last_metrics
+            assert (m.num_overlapped_steps > 0) == overlap, (overlap, num_blocks)
+            assert llm.pa.allocator.num_free == num_blocks
+            results[overlap, num_blocks] = [(o.token_ids, o.finish_reason) for o in outs]
+    first = results[False, 64]
+    assert all(r == first for r in results.values()), results
+    outs = results[True, 64]
+    assert outs[1] == (greedy[1][: greedy[1].index(stop) + 1], "stop")
+    assert outs[0] == (greedy[0], "length") and outs[4] == (greedy[4][:1], "length")
+
+
 class LetterTokenizer:
     """Token i is chr(ord("A") + i % 26); enough of the HF tokenizer interface for the LLM."""
 

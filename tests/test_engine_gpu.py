@@ -51,10 +51,22 @@ def check_engine_against_hf(ref: torch.nn.Module, tol: float, **llm_kwargs: obje
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (1, 9, 40, 17, 100)]
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=24))
-    assert llm.last_metrics.num_decode_steps > 0
+    assert llm.last_metrics.num_decode_steps > 0 and llm.last_metrics.num_overlapped_steps > 0
     for prompt, out in zip(prompts, outs, strict=True):
         assert len(out.token_ids) == 24
         assert_greedy_agrees(ref, prompt, out.token_ids, tol)
+    # one host sync per step (no step queued ahead) agrees as well; a stop token ends request 3
+    llm.overlap = False
+    stop = outs[3].token_ids[5]
+    again = llm.generate(prompts, [SamplingParams(max_new_tokens=24)] * 3
+                         + [SamplingParams(max_new_tokens=24, stop_token_ids=[stop])] * 2)  # fmt: skip
+    assert llm.last_metrics.num_overlapped_steps == 0
+    for out in again[3:]:  # the stop token, where it comes, is the last one
+        ids = out.token_ids
+        assert (out.finish_reason == "stop") == (stop in ids) and (stop not in ids[:-1])
+    for prompt, out in zip(prompts[:3], again, strict=False):
+        assert_greedy_agrees(ref, prompt, out.token_ids, tol)
+    llm.overlap = True
     # seeded sampling on the GPU: the same tokens alone and in company
     params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=3)
     alone = llm.generate([prompts[2]], params)[0].token_ids

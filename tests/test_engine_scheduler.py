@@ -45,6 +45,40 @@ def run(sched: Scheduler, seqs: list[Sequence]) -> int:
     return steps
 
 
+def run_overlapped(sched: Scheduler, seqs: list[Sequence]) -> tuple[int, int]:
+    """Step like ``LLM(overlap=True)``: schedule the next step before this one's tokens are read.
+
+    Returns (steps, steps scheduled ahead).
+    """
+    for s in seqs:
+        sched.add(s)
+    steps = ahead_steps = 0
+    launched = None  # (batch, its sampled tokens): the "device" result, read after the next launch
+
+    def launch(batch, fed):
+        assert batch.seqs, "no progress"
+        sampled = []
+        for i, (s, sl) in enumerate(zip(batch.seqs, batch.slices, strict=True)):
+            assert len(sl.block_ids) * BLOCK >= sl.context_len + sl.num_new_tokens
+            if batch.feed_rows is None:
+                sampled.append(next_token(s.tokens[: sl.context_len + sl.num_new_tokens]))
+            else:  # its input is the previous step's token for that row, not appended yet
+                assert sl.context_len == len(s.tokens) and sl.num_new_tokens == 1
+                sampled.append(next_token([*s.tokens, fed[batch.feed_rows[i]]]))
+        return batch, sampled
+
+    while sched.has_work():
+        if launched is None:
+            launched = launch(sched.schedule(), None)
+        ahead = sched.schedule_ahead(launched[0])
+        following = launch(ahead, launched[1]) if ahead is not None else None
+        sched.postprocess(*launched)
+        steps += 1
+        ahead_steps += launched[0].feed_rows is not None
+        launched = following
+    return steps, ahead_steps
+
+
 def make(prompts: list[list[int]], max_new: int) -> list[Sequence]:
     p = SamplingParams(max_new_tokens=max_new)
     return [Sequence(i, len(t), list(t), p, 0, frozenset()) for i, t in enumerate(prompts)]
@@ -70,6 +104,68 @@ def test_all_requests_finish_whole_under_block_pressure_with_newest_preempted_fi
         assert seq.status is SeqStatus.FINISHED and seq.finish_reason == "length"
         assert seq.output_ids == expected(prompt, 12)
     assert alloc.num_free == 10 and sched.num_prefill_chunks > 0
+
+
+def test_steps_scheduled_ahead_give_the_same_tokens_and_free_every_block():
+    prompts = [[i + 1] * n for i, n in enumerate((9, 14, 5, 11, 7, 2))]
+    stops = {expected(p, 12)[k] for p, k in zip(prompts, (2, 5, 11), strict=False)}
+    lengths = (12, 3, 7, 12, 1, 9)
+    for num_blocks in (64, 12):  # plenty, and tight enough to preempt
+        alloc = BlockAllocator(num_blocks=num_blocks, block_size=BLOCK)
+        sched = Scheduler(alloc, max_num_seqs=4, max_num_tokens=16, max_model_len=64)
+        seqs = [
+            Sequence(i, len(t), list(t), SamplingParams(max_new_tokens=n), 0, frozenset(stops))
+            for i, (t, n) in enumerate(zip(prompts, lengths, strict=True))
+        ]
+        steps, ahead_steps = run_overlapped(sched, seqs)
+        assert ahead_steps > steps // 3
+        for seq, prompt, n in zip(seqs, prompts, lengths, strict=True):
+            want = expected(prompt, n)
+            cut = next((k + 1 for k, t in enumerate(want) if t in stops), n)
+            assert seq.output_ids == want[:cut], (num_blocks, seq.seq_id)
+            assert seq.finish_reason == ("stop" if cut < n or want[-1] in stops else "length")
+        assert alloc.num_free == num_blocks
+
+
+def test_schedule_ahead_declines_when_it_cannot_run_the_next_decode_step():
+    for num_blocks in (3, 4):
+        alloc = BlockAllocator(num_blocks=num_blocks, block_size=BLOCK)
+        sched = Scheduler(alloc, max_num_seqs=2, max_num_tokens=8, max_model_len=64)
+        long, short = make([[1] * 11, [2] * 3], 20)
+        sched.add(long)
+        batch = sched.schedule()  # 8 of 11 prompt tokens: no token comes out of this step
+        assert batch.num_new == [8] and sched.schedule_ahead(batch) is None
+        sched.postprocess(batch, [0])
+        batch = sched.schedule()  # the prompt's last 3 tokens: the next step is a decode
+        ahead = sched.schedule_ahead(batch)
+        assert ahead is not None and ahead.feed_rows == [0] and ahead.slices[0].context_len == 11
+        assert ahead.sample_steps == [1] and ahead.input_ids == [] and ahead.num_tokens == 1
+        sched.postprocess(batch, [5])
+        sched.add(short)
+        assert sched.schedule_ahead(ahead) is None  # someone waits to join: schedule normally
+        sched.waiting.clear()
+        # the step after ``ahead`` writes token 13, which needs a 4th block
+        nxt = sched.schedule_ahead(ahead)
+        assert (nxt is None) == (num_blocks == 3)  # never preempts to run ahead
+        assert long.status is SeqStatus.RUNNING and len(long.block_ids) == num_blocks
+
+
+def test_schedule_ahead_leaves_out_sequences_that_finish_on_length():
+    alloc = BlockAllocator(num_blocks=16, block_size=BLOCK)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_tokens=16, max_model_len=64)
+    seqs = [
+        Sequence(i, 3, [i + 1] * 3, SamplingParams(max_new_tokens=n), 0, frozenset())
+        for i, n in enumerate((1, 2, 5))
+    ]
+    for seq in seqs:
+        sched.add(seq)
+    batch = sched.schedule()  # the three prompts; each samples its first token
+    ahead = sched.schedule_ahead(batch)
+    assert ahead.feed_rows == [1, 2]  # request 0 is done after its first token
+    sched.postprocess(batch, [7, 8, 9])
+    following = sched.schedule_ahead(ahead)
+    assert following.feed_rows == [1]  # request 1 is done after its second token
+    assert following.sample_steps == [2]
 
 
 def test_common_prefix_blocks_are_shared_not_recomputed():

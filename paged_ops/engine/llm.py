@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,11 +15,26 @@ from paged_ops.cache import KVCache, blocks_needed
 from paged_ops.engine.params import GenerationMetrics, RequestOutput, SamplingParams, StreamChunk
 from paged_ops.engine.runner import ModelRunner
 from paged_ops.engine.sampler import SamplingBatch, sample
-from paged_ops.engine.scheduler import Scheduler
+from paged_ops.engine.scheduler import ScheduledBatch, Scheduler
 from paged_ops.engine.scheduler import Sequence as Seq
 from paged_ops.module import PagedAttention
 
 _CPU_KV_BYTES = 1 << 30  # default KV budget on CPU
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device: its sampled ids there, and their copy on the way to the host."""
+
+    batch: ScheduledBatch
+    sampled: torch.Tensor  # [S] int64 on the device
+    host: torch.Tensor  # [S] int64 on the host (pinned, filled asynchronously on CUDA)
+    done: torch.cuda.Event | None  # recorded after the copy (None on CPU: already done)
+
+    def read(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()  # waits for this step only, not for a step launched after it
+        return self.host.tolist()
 
 
 def _token_ids(value: Any) -> set[int]:
@@ -79,6 +95,9 @@ class LLM:
         prefix_caching: share KV blocks of common prompt prefixes.
         max_num_tokens: token budget of one step (chunked prefill); default
             ``max(2048, max_num_seqs)``. Applies when the LLM patches the model itself.
+        overlap: queue the next decode step on the device before reading this step's sampled
+            ids, so that the host's work per step (scheduling, metadata, sampling setup, output
+            handling) runs while the device computes. The tokens are the same either way.
 
     Example:
         >>> llm = LLM(model, tokenizer)
@@ -101,6 +120,7 @@ class LLM:
         cuda_graphs: bool = True,
         prefix_caching: bool = True,
         max_num_tokens: int | None = None,
+        overlap: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
@@ -136,6 +156,7 @@ class LLM:
             max_model_len=self.pa.max_model_len,
             prefix_caching=prefix_caching,
         )
+        self.overlap = overlap
         self.runner = ModelRunner(model, self.pa, compile=compile, cuda_graphs=cuda_graphs)
         self.runner.warm_up()
         self.warmup_s = time.perf_counter() - t0
@@ -255,26 +276,45 @@ class LLM:
         for seq in seqs:
             sched.add(seq)
         try:
+            launched: _Launched | None = None
             while sched.has_work():
-                batch = sched.schedule()
-                if not batch.seqs:
-                    raise RuntimeError("the scheduler made no progress (KV cache too small?)")
-                logits = self.runner.execute(batch)  # [S, V]
-                sampling = SamplingBatch(
-                    temperatures=[s.params.temperature for s in batch.seqs],
-                    top_ks=[s.params.top_k for s in batch.seqs],
-                    top_ps=[s.params.top_p for s in batch.seqs],
-                    seeds=[s.seed for s in batch.seqs],
-                    steps=[s.num_generated for s in batch.seqs],
-                )
-                tokens = sample(logits, sampling).tolist()  # the one host sync of the step
+                if launched is None:
+                    batch = sched.schedule()
+                    if not batch.seqs:
+                        raise RuntimeError("the scheduler made no progress (KV cache too small?)")
+                    launched = self._launch(batch, None)
+                ahead = sched.schedule_ahead(launched.batch) if self.overlap else None
+                # Queue the next step before waiting for this one: the device never idles while
+                # the host reads ids and postprocesses.
+                following = self._launch(ahead, launched.sampled) if ahead is not None else None
+                tokens = launched.read()  # the one host sync of the step
                 metrics.num_steps += 1
-                metrics.num_decode_steps += batch.is_decode
-                yield sched.postprocess(batch, tokens)
+                metrics.num_decode_steps += launched.batch.is_decode
+                metrics.num_overlapped_steps += launched.batch.feed_rows is not None
+                yield sched.postprocess(launched.batch, tokens)
+                launched = following
         finally:
             sched.abort_all()  # a stream closed early leaves nothing behind
             metrics.num_preemptions = sched.num_preemptions - preempted0
             metrics.num_cached_tokens = (sched.num_cached_blocks - cached0) * self.pa.block_size
+
+    def _launch(self, batch: ScheduledBatch, fed_from: torch.Tensor | None) -> _Launched:
+        """Queue a step and its sampling on the device; nothing here waits for the device."""
+        logits, greedy = self.runner.execute(batch, fed_from)  # [S, V], [S]
+        sampling = SamplingBatch(
+            temperatures=[s.params.temperature for s in batch.seqs],
+            top_ks=[s.params.top_k for s in batch.seqs],
+            top_ps=[s.params.top_p for s in batch.seqs],
+            seeds=[s.seed for s in batch.seqs],
+            steps=batch.sample_steps,
+        )
+        sampled = sample(logits, sampling, greedy)  # [S] int64
+        if sampled.device.type != "cuda":
+            return _Launched(batch, sampled, sampled, None)
+        host = sampled.to("cpu", non_blocking=True)  # pinned by the caching host allocator
+        done = torch.cuda.Event()
+        done.record()
+        return _Launched(batch, sampled, host, done)
 
     def generate(
         self,

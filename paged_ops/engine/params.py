@@ -105,6 +105,8 @@ class GenerationMetrics:
     """Figures of the last ``generate``/``stream`` call (``LLM.last_metrics``).
 
     ``tokens_per_s`` counts generated tokens over the wall time of the call (prefill included).
+    ``num_overlapped_steps`` counts the steps queued before the previous step's ids were read (see
+    ``LLM(overlap=True)``).
     """
 
     num_requests: int = 0
@@ -114,6 +116,7 @@ class GenerationMetrics:
     mean_time_to_first_token_s: float = 0.0
     num_steps: int = 0
     num_decode_steps: int = 0
+    num_overlapped_steps: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0
 

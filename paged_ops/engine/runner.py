@@ -14,7 +14,12 @@ Two paths:
   never specialise the trace, and duck sizing is off so that ``T == S`` in one step does not become
   a guard that the next step breaks: after the first compile there are no recompiles.
 
-The LM head runs only for each sequence's last token (``logits_to_keep=md.logits_indices``).
+The LM head runs only for each sequence's last token (``logits_to_keep=md.logits_indices``), and the
+greedy choice (``argmax``) is computed inside the compiled forward and the graphs, where it is one
+fused reduction instead of a separate launch per step.
+
+Input ids come from the host (``batch.input_ids``) or, for a step scheduled ahead, from the previous
+step's sampled ids on the device (``batch.feed_rows``): a device copy, no host round trip.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from paged_ops.engine.sampler import host_to_device
 from paged_ops.engine.scheduler import ScheduledBatch
 from paged_ops.metadata import SequenceSlice
 from paged_ops.module import PagedAttention
@@ -63,27 +69,30 @@ class ModelRunner:
         # [T_max] the step's token ids; a persistent buffer so graphs replay without input copies
         self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=self.device)
         self._host_ids = torch.zeros(self.max_num_tokens, dtype=torch.int64, pin_memory=on_cuda)
+        self._host_ids_copied = torch.cuda.Event() if on_cuda else None
         self._compiled = compile
         self._forward: Callable[..., torch.Tensor] = self._model_forward
         if compile:
             self._forward = torch.compile(self._model_forward, fullgraph=True)
         self.use_graphs = cuda_graphs and on_cuda
         self.buckets = graph_buckets(self.max_num_seqs) if self.use_graphs else []
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, its static outputs: logits [bucket, V], greedy ids [bucket])
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def _model_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
-    ) -> torch.Tensor:
-        # input_ids, positions: [T]; logits_indices: [S] -> logits [S, V]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # input_ids, positions: [T]; logits_indices: [S] -> logits [S, V], greedy ids [S]
         out = self.model(
             input_ids=input_ids[None],
             position_ids=positions[None],
             use_cache=False,
             logits_to_keep=logits_indices,
         )
-        return out.logits[0]
+        logits = out.logits[0]
+        return logits, logits.argmax(dim=-1)
 
-    def _call(self, num_tokens: int) -> torch.Tensor:
+    def _call(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         md = self.pa.metadata
         args = (self.input_ids[:num_tokens], md.positions, md.logits_indices)
         if not self._compiled:
@@ -96,28 +105,63 @@ class ModelRunner:
             return self._forward(*args)
 
     def _load_ids(self, ids: list[int], num_tokens: int) -> None:
-        # The previous step's sampled ids were read on the host, so the last copy has finished.
+        if self._host_ids_copied is not None:
+            self._host_ids_copied.synchronize()  # the last copy out of the pinned buffer is done
         n = len(ids)
         self._host_ids[:n] = torch.tensor(ids, dtype=torch.int64)
         self._host_ids[n:num_tokens] = 0
         self.input_ids[:num_tokens].copy_(self._host_ids[:num_tokens], non_blocking=True)
+        if self._host_ids_copied is not None:
+            self._host_ids_copied.record()
+
+    def _feed_ids(self, sampled: torch.Tensor, rows: list[int], num_tokens: int) -> None:
+        # sampled: [S_prev] int64 on the device (the previous step's ids, maybe not computed yet:
+        # the copy is queued after it on the same stream)
+        k = len(rows)
+        if rows == list(range(k)):
+            self.input_ids[:k].copy_(sampled[:k])
+        else:
+            index = host_to_device(rows, torch.int64, self.device)  # [k]
+            self.input_ids[:k].copy_(sampled.index_select(0, index))
+        if num_tokens > k:
+            self.input_ids[k:num_tokens].zero_()
+
+    def _set_inputs(
+        self, batch: ScheduledBatch, fed_from: torch.Tensor | None, num_tokens: int, num_seqs: int
+    ) -> None:
+        self.pa.prepare_slices(batch.slices, num_tokens=num_tokens, num_seqs=num_seqs)
+        if batch.feed_rows is None:
+            self._load_ids(batch.input_ids, num_tokens)
+        elif fed_from is None:
+            raise ValueError("a step scheduled ahead needs the previous step's sampled ids")
+        else:
+            self._feed_ids(fed_from, batch.feed_rows, num_tokens)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run one step; returns the logits of each sequence's last new token, ``[S, V]``."""
+    def execute(
+        self, batch: ScheduledBatch, fed_from: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one step.
+
+        Args:
+            batch: the step.
+            fed_from: ``[S_prev]`` int64 device ids sampled by the previous step; needed when the
+                step was scheduled ahead (``batch.feed_rows`` set).
+        Returns:
+            logits of each sequence's last new token ``[S, V]`` and their argmax ``[S]`` int64.
+        """
         num_seqs = len(batch.seqs)
         if self.use_graphs and batch.is_decode and num_seqs <= self.buckets[-1]:
             bucket = next(b for b in self.buckets if b >= num_seqs)
-            self.pa.prepare_slices(batch.slices, num_tokens=bucket, num_seqs=bucket)
-            self._load_ids(batch.input_ids, bucket)
-            graph, logits = self._graphs[bucket]
+            self._set_inputs(batch, fed_from, bucket, bucket)
+            graph, (logits, greedy) = self._graphs[bucket]
             graph.replay()
-            return logits[:num_seqs]
+            return logits[:num_seqs], greedy[:num_seqs]
         num_tokens = max(batch.num_tokens, 2)
         padded_seqs = min(max(num_seqs, 2), self.max_num_seqs)
-        self.pa.prepare_slices(batch.slices, num_tokens=num_tokens, num_seqs=padded_seqs)
-        self._load_ids(batch.input_ids, num_tokens)
-        return self._call(num_tokens)[:num_seqs]
+        self._set_inputs(batch, fed_from, num_tokens, padded_seqs)
+        logits, greedy = self._call(num_tokens)
+        return logits[:num_seqs], greedy[:num_seqs]
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -151,7 +195,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._call(bucket)  # [bucket, V]
+                outputs = self._call(bucket)  # logits [bucket, V], greedy ids [bucket]
             pool = graph.pool()
-            self._graphs[bucket] = (graph, logits)
+            self._graphs[bucket] = (graph, outputs)
         torch.cuda.synchronize(self.device)

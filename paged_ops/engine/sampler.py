@@ -6,6 +6,8 @@ on its seed, its prompt and its settings, never on which other requests share th
 global RNG state, and nothing needs a per-request ``torch.Generator``. Top-k and top-p set the logits
 outside the kept set to ``-inf``; Gumbel-max over the rest samples exactly from the renormalised
 distribution. No step reads a device value on the host: the caller reads the sampled ids once.
+Per-row settings reach the device through pinned, non-blocking copies, so sampling never waits for
+the device either (the engine launches the next step before reading this one's ids).
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ class SamplingBatch:
         return all(t == 0.0 for t in self.temperatures)
 
 
+def host_to_device(
+    values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device
+):
+    """``[len(values)]`` tensor on ``device``, copied without a host sync (pinned on CUDA)."""
+    on_cuda = device.type == "cuda"
+    host = torch.tensor(values, dtype=dtype, pin_memory=on_cuda)
+    return host.to(device, non_blocking=True) if on_cuda else host
+
+
 def _apply_top_k_top_p(
     logits: torch.Tensor, top_ks: Sequence[int], top_ps: Sequence[float]
 ) -> torch.Tensor:
@@ -65,10 +76,10 @@ def _apply_top_k_top_p(
     dev = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
     rank = torch.arange(vocab, device=dev)[None, :]  # [1, V]
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_ks], device=dev)  # [S]
+    k = host_to_device([kk if kk > 0 else vocab for kk in top_ks], torch.int64, dev)  # [S]
     drop = rank >= k[:, None]  # [S, V]
     if any(p < 1.0 for p in top_ps):
-        p = torch.tensor(list(top_ps), device=dev, dtype=torch.float32)  # [S]
+        p = host_to_device(list(top_ps), torch.float32, dev)  # [S]
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
         drop |= before >= p[:, None]  # the most likely token always stays (before = 0)
@@ -76,26 +87,31 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor | None = None
+) -> torch.Tensor:
     """Pick one token per row.
 
     Args:
         logits: ``[S, V]`` (any float dtype) for the S sequences of ``batch``.
+        greedy: ``[S]`` int64 ``logits.argmax(-1)`` when the caller has it already (the engine
+            computes it inside the compiled forward / CUDA graph); computed here otherwise.
     Returns:
         ``[S]`` int64 token ids, on the logits' device.
     """
-    greedy = logits.argmax(dim=-1)  # [S]
+    if greedy is None:
+        greedy = logits.argmax(dim=-1)  # [S]
     if batch.all_greedy:
         return greedy
     dev = logits.device
-    temps = torch.tensor([t if t > 0 else 1.0 for t in batch.temperatures], device=dev)  # [S]
+    temps = host_to_device([t if t > 0 else 1.0 for t in batch.temperatures], torch.float32, dev)
     logits = logits.float() / temps[:, None]  # top-p acts on the tempered distribution (as HF)
     if any(k > 0 for k in batch.top_ks) or any(p < 1.0 for p in batch.top_ps):
         logits = _apply_top_k_top_p(logits, batch.top_ks, batch.top_ps)
-    seeds = torch.tensor(batch.seeds, device=dev, dtype=torch.int64)
-    steps = torch.tensor(batch.steps, device=dev, dtype=torch.int64)
+    seeds = host_to_device(batch.seeds, torch.int64, dev)  # [S]
+    steps = host_to_device(batch.steps, torch.int64, dev)  # [S]
     u = counter_uniform(seeds, steps, logits.shape[-1])  # [S, V]
     gumbel = -torch.log(-torch.log(u))
     sampled = (logits + gumbel).argmax(dim=-1)  # [S]
-    is_greedy = torch.tensor([t == 0.0 for t in batch.temperatures], device=dev)
+    is_greedy = host_to_device([t == 0.0 for t in batch.temperatures], torch.bool, dev)  # [S]
     return torch.where(is_greedy, greedy, sampled)

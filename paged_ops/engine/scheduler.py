@@ -14,6 +14,12 @@ the previous block's hash and this block's token ids (so equal hashes mean equal
 A sequence that joins looks its full blocks up and shares the hits instead of recomputing them; it
 always keeps at least one token to compute, so the step has logits to sample from. Blocks filled by
 generated tokens are registered as well, which makes a preempted sequence's recompute cheap.
+
+Overlapped decode (:meth:`Scheduler.schedule_ahead`): while a step runs on the device, the next
+decode step of the same sequences can be scheduled before the step's sampled tokens are known. Its
+input ids are those sampled tokens, fed on the device; each sequence is one token "pending" until
+the running step is postprocessed. A sequence that then stops on a stop token had one wasted row in
+the step ahead, which :meth:`Scheduler.postprocess` skips.
 """
 
 from __future__ import annotations
@@ -68,7 +74,10 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new: list[int]
     slices: list[SequenceSlice]
-    input_ids: list[int]  # [T] the new tokens, sequence-major
+    input_ids: list[int]  # [T] the new tokens, sequence-major (empty when fed from the device)
+    # Scheduled ahead: row i's input id is row feed_rows[i] of the previous step's sampled ids,
+    # which are still on the device (every sequence then has one token not yet appended).
+    feed_rows: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -76,7 +85,13 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.input_ids)
+        return sum(self.num_new)
+
+    @property
+    def sample_steps(self) -> list[int]:
+        """Index among its generated tokens of the token each sequence samples in this step."""
+        pending = self.feed_rows is not None
+        return [s.num_generated + pending for s in self.seqs]
 
 
 class Scheduler:
@@ -196,15 +211,64 @@ class Scheduler:
             input_ids=input_ids,
         )
 
+    def schedule_ahead(self, running: ScheduledBatch) -> ScheduledBatch | None:
+        """Schedule the decode step that follows ``running`` before its sampled tokens are known.
+
+        Every sequence of ``running`` that will get a token from it and can go on adds that token
+        (fed from the device, see ``ScheduledBatch.feed_rows``). Returns ``None`` (schedule
+        normally after ``running`` is postprocessed) when requests are waiting to join, when a
+        sequence of ``running`` is mid-prompt, or when the new tokens' blocks are not free
+        without preempting; never preempts. ``running``'s sequences that finish on length are
+        left out: they need no further step.
+        """
+        if self.waiting:
+            return None
+        rows: list[int] = []
+        for i, (seq, n) in enumerate(zip(running.seqs, running.num_new, strict=True)):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # finished on a stop token in the step before ``running``
+            # The step before ``running`` has been postprocessed, so ``seq.tokens`` holds every
+            # token but the one ``running`` samples, which goes at position ``pending``.
+            pending = seq.num_computed + n
+            if pending != len(seq.tokens):
+                return None  # a prompt chunk that does not reach the end of the prompt
+            length = pending + 1  # tokens once ``running``'s sample is appended
+            generated = length - seq.prompt_len
+            if generated >= seq.params.max_new_tokens or length >= self.max_model_len:
+                continue  # finishes on length with ``running``'s token
+            rows.append(i)
+        if not rows:
+            return None
+        seqs = [running.seqs[i] for i in rows]
+        starts = [s.num_computed + running.num_new[i] for s, i in zip(seqs, rows, strict=True)]
+        needs = [
+            blocks_needed(p + 1, self.block_size) - len(s.block_ids)
+            for s, p in zip(seqs, starts, strict=True)
+        ]
+        if not self.allocator.can_allocate(sum(needs)):
+            return None
+        for seq, need in zip(seqs, needs, strict=True):
+            seq.block_ids += self.allocator.allocate(need)
+        return ScheduledBatch(
+            seqs=seqs,
+            num_new=[1] * len(seqs),
+            slices=[SequenceSlice(s.block_ids, p, 1) for s, p in zip(seqs, starts, strict=True)],
+            input_ids=[],
+            feed_rows=rows,
+        )
+
     def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
         """Account for a step that ran: append sampled tokens, finish and free sequences.
 
         ``sampled[i]`` is the token drawn for ``batch.seqs[i]``; it is dropped for a sequence whose
-        step was a prompt chunk that did not reach the end of its known tokens. Returns the
-        sequences that got a new token this step.
+        step was a prompt chunk that did not reach the end of its known tokens, and for one that
+        already finished (a step scheduled ahead, see :meth:`schedule_ahead`). Steps must be
+        postprocessed in the order they were scheduled. Returns the sequences that got a new token.
         """
         advanced = []
         for seq, n, token in zip(batch.seqs, batch.num_new, sampled, strict=True):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # stopped in the previous step; this row was scheduled ahead of that
             seq.num_computed += n
             if self.prefix_caching:
                 self._register_full_blocks(seq)
