@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from paged_ops import LLM, SamplingParams
+from paged_ops.engine import runner
 
 transformers = pytest.importorskip("transformers")
 
@@ -245,7 +245,7 @@ def test_bad_sampling_params_are_refused(kwargs, error):
 def test_compiled_forward_does_not_recompile_across_steps(monkeypatch):
     # aot_eager: dynamo + AOT autograd + fake kernels (what must not break or recompile), without
     # inductor's C++ codegen, which takes most of a minute on 2 cores
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
     torch._dynamo.reset()
     counters.clear()
     llm = LLM(tiny_llama(), backend="reference", block_size=4, max_num_seqs=4, max_model_len=32,
@@ -256,6 +256,8 @@ def test_compiled_forward_does_not_recompile_across_steps(monkeypatch):
         second = llm.generate(prompts_of([1, 12], seed=10), SamplingParams(max_new_tokens=6))
     assert [len(o.token_ids) for o in first + second] == [4, 4, 4, 6, 6]
     assert counters["stats"]["unique_graphs"] == 1  # one graph for prefill, mixed and decode
+    # q/k/v and gate/up of each of the 2 layers ran as one matmul each
+    assert len(llm.runner.fused_groups) == 4 and llm.runner.num_fused_linears == 2 * 3
     eager = LLM(tiny_llama(), backend="reference", block_size=4, max_num_seqs=4, max_model_len=32,
                 num_blocks=64, compile=False)  # fmt: skip
     assert [o.token_ids for o in first] == [

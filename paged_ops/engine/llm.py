@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from paged_ops.cache import KVCache, blocks_needed
+from paged_ops.engine import fusion
 from paged_ops.engine.params import GenerationMetrics, RequestOutput, SamplingParams, StreamChunk
 from paged_ops.engine.runner import ModelRunner
 from paged_ops.engine.sampler import SamplingBatch, sample
@@ -98,6 +99,11 @@ class LLM:
         overlap: queue the next decode step on the device before reading this step's sampled
             ids, so that the host's work per step (scheduling, metadata, sampling setup, output
             handling) runs while the device computes. The tokens are the same either way.
+        fuse_projections: with ``compile``, run sibling projections that read the same input
+            (q/k/v, gate/up) as one matmul: their weights are re-laid out back to back in one
+            buffer (same values and memory; the modules' weights become views into it) and the
+            compiled graph uses that buffer. Do not re-bind those weights afterwards (copying
+            into them is fine); ``generate`` checks.
 
     Example:
         >>> llm = LLM(model, tokenizer)
@@ -121,6 +127,7 @@ class LLM:
         prefix_caching: bool = True,
         max_num_tokens: int | None = None,
         overlap: bool = True,
+        fuse_projections: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
@@ -157,7 +164,13 @@ class LLM:
             prefix_caching=prefix_caching,
         )
         self.overlap = overlap
-        self.runner = ModelRunner(model, self.pa, compile=compile, cuda_graphs=cuda_graphs)
+        self.runner = ModelRunner(
+            model,
+            self.pa,
+            compile=compile,
+            cuda_graphs=cuda_graphs,
+            fuse_projections=fuse_projections,
+        )
         self.runner.warm_up()
         self.warmup_s = time.perf_counter() - t0
         self.last_metrics = GenerationMetrics()
@@ -272,6 +285,7 @@ class LLM:
             raise RuntimeError(
                 "another generate/stream of this LLM is still running; finish or close it first"
             )
+        fusion.check_stacked(self.runner.fused_groups)
         preempted0, cached0 = sched.num_preemptions, sched.num_cached_blocks
         for seq in seqs:
             sched.add(seq)

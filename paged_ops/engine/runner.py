@@ -15,8 +15,8 @@ Two paths:
   a guard that the next step breaks: after the first compile there are no recompiles.
 
 The LM head runs only for each sequence's last token (``logits_to_keep=md.logits_indices``), and the
-greedy choice (``argmax``) is computed inside the compiled forward and the graphs, where it is one
-fused reduction instead of a separate launch per step.
+greedy choice (a two-pass argmax, :func:`~paged_ops.engine.sampler.greedy_ids`) is computed inside
+the compiled forward and the graphs instead of in separate launches per step.
 
 Input ids come from the host (``batch.input_ids``) or, for a step scheduled ahead, from the previous
 step's sampled ids on the device (``batch.feed_rows``): a device copy, no host round trip.
@@ -29,10 +29,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from paged_ops.engine.sampler import host_to_device
+from paged_ops.engine import fusion
+from paged_ops.engine.sampler import greedy_ids, host_to_device
 from paged_ops.engine.scheduler import ScheduledBatch
 from paged_ops.metadata import SequenceSlice
 from paged_ops.module import PagedAttention
+
+INNER_BACKEND = "inductor"  # what compiles the graph after projection fusion (tests use aot_eager)
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -56,10 +59,18 @@ class ModelRunner:
         pa: its PagedAttention.
         compile: compile the forward with ``torch.compile(fullgraph=True)``, T and S dynamic.
         cuda_graphs: capture decode steps per batch-size bucket (CUDA only).
+        fuse_projections: with ``compile``, stack sibling projections' weights and fuse their
+            matmuls in the compiled graph (see :mod:`paged_ops.engine.fusion`).
     """
 
     def __init__(
-        self, model: nn.Module, pa: PagedAttention, *, compile: bool, cuda_graphs: bool
+        self,
+        model: nn.Module,
+        pa: PagedAttention,
+        *,
+        compile: bool,
+        cuda_graphs: bool,
+        fuse_projections: bool = True,
     ) -> None:
         self.model, self.pa = model, pa
         self.device = pa.kv_cache.device
@@ -72,12 +83,21 @@ class ModelRunner:
         self._host_ids_copied = torch.cuda.Event() if on_cuda else None
         self._compiled = compile
         self._forward: Callable[..., torch.Tensor] = self._model_forward
+        self.fused_groups: list = []  # projection groups whose weights were stacked
+        self.num_fused_linears = 0  # linear calls removed from the compiled graph
         if compile:
-            self._forward = torch.compile(self._model_forward, fullgraph=True)
+            backend: str | Callable = INNER_BACKEND
+            if fuse_projections:
+                self.fused_groups = fusion.stack_projection_weights(model)
+                backend = fusion.compile_backend(INNER_BACKEND, self._count_fused)
+            self._forward = torch.compile(self._model_forward, fullgraph=True, backend=backend)
         self.use_graphs = cuda_graphs and on_cuda
         self.buckets = graph_buckets(self.max_num_seqs) if self.use_graphs else []
         # bucket -> (graph, its static outputs: logits [bucket, V], greedy ids [bucket])
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def _count_fused(self, removed: int) -> None:
+        self.num_fused_linears += removed
 
     def _model_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
@@ -90,7 +110,7 @@ class ModelRunner:
             logits_to_keep=logits_indices,
         )
         logits = out.logits[0]
-        return logits, logits.argmax(dim=-1)
+        return logits, greedy_ids(logits)
 
     def _call(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         md = self.pa.metadata

@@ -59,6 +59,27 @@ class SamplingBatch:
         return all(t == 0.0 for t in self.temperatures)
 
 
+def greedy_ids(logits: torch.Tensor, chunks: int = 128) -> torch.Tensor:
+    """``logits.argmax(-1)`` in two passes: the first index of each row's maximum.
+
+    A one-pass argmax over a vocabulary of ~10^5 runs as one program per row under torch.compile
+    (about 30 us per decode step on an H200, for a 128k vocabulary). Splitting each row into
+    ``chunks`` pieces gives the first pass ``S x chunks`` programs. Ties resolve as in ``argmax``.
+
+    Args:
+        logits: ``[S, V]``.
+    Returns:
+        ``[S]`` int64.
+    """
+    vocab = logits.shape[-1]
+    width = -(-vocab // chunks)
+    if width * chunks != vocab:  # pad with -inf: never a row's first maximum unless all are -inf
+        logits = torch.nn.functional.pad(logits, (0, width * chunks - vocab), value=float("-inf"))
+    piece_max, piece_arg = logits.view(-1, chunks, width).max(dim=-1)  # [S, chunks] each
+    best = piece_max.argmax(dim=-1, keepdim=True)  # [S, 1] the first piece holding the maximum
+    return (best * width + piece_arg.gather(-1, best))[:, 0]
+
+
 def host_to_device(
     values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device
 ):
@@ -94,13 +115,13 @@ def sample(
 
     Args:
         logits: ``[S, V]`` (any float dtype) for the S sequences of ``batch``.
-        greedy: ``[S]`` int64 ``logits.argmax(-1)`` when the caller has it already (the engine
-            computes it inside the compiled forward / CUDA graph); computed here otherwise.
+        greedy: ``[S]`` int64 :func:`greedy_ids` of ``logits`` when the caller has it already
+            (the engine computes it inside the compiled forward / CUDA graph).
     Returns:
         ``[S]`` int64 token ids, on the logits' device.
     """
     if greedy is None:
-        greedy = logits.argmax(dim=-1)  # [S]
+        greedy = greedy_ids(logits)  # [S]
     if batch.all_greedy:
         return greedy
     dev = logits.device

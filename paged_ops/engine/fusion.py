@@ -1,0 +1,206 @@
+"""Projection fusion: one matmul for the linears that read the same input (q/k/v, gate/up).
+
+At small batch sizes a decode step is a string of matrix-vector products, and cuBLAS runs a
+2048 x 512 one (a GQA key or value projection) at a fraction of the memory bandwidth: three
+launches for q, k and v cost about as much as one over the stacked weight. Fusing them needs two
+steps, neither of which touches the model's forward code:
+
+1. :func:`stack_projection_weights` lays the weights of sibling projections (``q_proj``, ``k_proj``,
+   ``v_proj``; ``gate_proj``, ``up_proj``; ``w1``, ``w3``) out back to back in one buffer, and makes
+   each module's ``weight`` (and ``bias``) a view into it. Values and the model's behaviour are
+   unchanged; memory is the same.
+2. :func:`fuse_linears` is a pass over the graph that ``torch.compile`` hands its backend. It finds
+   ``linear`` calls that share an input tensor and whose weights are adjacent views of one buffer,
+   and replaces them with one ``linear`` over that buffer (an ``as_strided`` view from the first
+   weight) followed by a ``split``. :func:`compile_backend` runs it before Inductor.
+
+The pass reads the layout from the actual parameter tensors the graph was traced with; it does not
+guard it. :func:`check_stacked` verifies it before each ``generate`` (a weight re-bound to a new
+tensor after the model was compiled would make the fused matmul read the wrong memory).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+SIBLING_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+_LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+def _plain_linear(module: nn.Module | None) -> bool:
+    return type(module) is nn.Linear and module.weight.dtype.is_floating_point
+
+
+def stack_projection_weights(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
+    """Re-lay sibling projections' weights (and biases) contiguously; returns the groups stacked.
+
+    A group is stacked when all its members are plain ``nn.Linear`` modules with the same input
+    width, dtype, device and bias presence. Already stacked groups are left alone.
+    """
+    groups = []
+    for parent in model.modules():
+        for names in SIBLING_PROJECTIONS:
+            mods = [getattr(parent, n, None) for n in names]
+            if not all(_plain_linear(m) for m in mods):
+                continue
+            first = mods[0]
+            same = all(
+                m.in_features == first.in_features
+                and m.weight.dtype == first.weight.dtype
+                and m.weight.device == first.weight.device
+                and (m.bias is None) == (first.bias is None)
+                for m in mods
+            )
+            if not same:
+                continue
+            group = tuple(mods)
+            if not _stacked(group):
+                _stack(group)
+            groups.append(group)
+    return groups
+
+
+def _stack(group: Sequence[nn.Linear]) -> None:
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in group])  # [sum of out_features, in_features]
+        bias = None if group[0].bias is None else torch.cat([m.bias for m in group])
+    row = 0
+    for m in group:
+        rows = m.out_features
+        m.weight = nn.Parameter(weight[row : row + rows], requires_grad=m.weight.requires_grad)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[row : row + rows], requires_grad=m.bias.requires_grad)
+        row += rows
+
+
+def _adjacent(tensors: Sequence[torch.Tensor]) -> bool:
+    """Contiguous tensors that follow each other in one storage, in this order."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    ptr = first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (
+            not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != ptr
+            or t.storage_offset() != offset
+            or t.dtype != first.dtype
+            or t.shape[1:] != first.shape[1:]
+        ):
+            return False
+        offset += t.numel()
+    return True
+
+
+def _stacked(group: Sequence[nn.Linear]) -> bool:
+    weights_ok = _adjacent([m.weight for m in group])
+    return weights_ok and (group[0].bias is None or _adjacent([m.bias for m in group]))
+
+
+def check_stacked(groups: Sequence[Sequence[nn.Linear]]) -> None:
+    """Raise ``RuntimeError`` when a stacked group's weights are no longer one buffer."""
+    for group in groups:
+        if not _stacked(group):
+            raise RuntimeError(
+                "a fused projection's weights were re-bound after the model was compiled; copy new "
+                "values into the existing tensors (load_state_dict does) or build a new LLM"
+            )
+
+
+def fuse_linears(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+    """Fuse ``linear`` calls sharing an input whose weights are adjacent; returns calls removed.
+
+    ``example_inputs`` are the real tensors of ``gm``'s placeholders (what ``torch.compile``
+    passes a backend); weights and biases must be placeholders to be considered.
+    """
+    graph = gm.graph
+    real: dict[fx.Node, Any] = {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs, strict=False):
+        real[node] = value
+    by_input: dict[tuple[fx.Node, bool], list[fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _LINEAR_TARGETS or node.kwargs:
+            continue
+        x, w, b = (*node.args, None)[:3]
+        if not isinstance(w, fx.Node) or not isinstance(real.get(w), torch.Tensor):
+            continue
+        if b is not None and not (isinstance(b, fx.Node) and isinstance(real.get(b), torch.Tensor)):
+            continue
+        if real[w].dim() != 2:
+            continue
+        by_input[x, b is not None].append(node)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    removed = 0
+    for (x, has_bias), nodes in by_input.items():
+        # longest runs of weights adjacent in memory, in memory order
+        nodes = sorted(nodes, key=lambda n: (real[n.args[1]].untyped_storage().data_ptr(),
+                                             real[n.args[1]].storage_offset()))  # fmt: skip
+        run: list[fx.Node] = []
+        for node in [*nodes, None]:
+            if node is not None and _extends(run, node, real, has_bias):
+                run.append(node)
+                continue
+            if len(run) > 1:
+                _replace_run(graph, x, run, real, has_bias, order)
+                removed += len(run) - 1
+            run = [node] if node is not None else []
+    if removed:
+        graph.lint()
+        gm.recompile()
+    return removed
+
+
+def _extends(run: list[fx.Node], node: fx.Node, real: dict, has_bias: bool) -> bool:
+    if not run:
+        return True
+    weights = [real[n.args[1]] for n in (*run, node)]
+    if not _adjacent(weights):
+        return False
+    return not has_bias or _adjacent([real[n.args[2]] for n in (*run, node)])
+
+
+def _replace_run(
+    graph: fx.Graph, x: fx.Node, run: list[fx.Node], real: dict, has_bias: bool, order: dict
+) -> None:
+    sizes = [real[n.args[1]].shape[0] for n in run]
+    width = real[run[0].args[1]].shape[1]
+    with graph.inserting_before(min(run, key=order.__getitem__)):
+        # [sum(sizes), width]: the stacked buffer, viewed from its first weight
+        weight = graph.call_function(
+            torch.as_strided, (run[0].args[1], (sum(sizes), width), (width, 1))
+        )
+        bias = None
+        if has_bias:
+            bias = graph.call_function(torch.as_strided, (run[0].args[2], (sum(sizes),), (1,)))
+        fused = graph.call_function(torch._C._nn.linear, (x, weight, bias))  # [..., sum(sizes)]
+        parts = graph.call_function(torch.split, (fused, sizes, -1))
+        outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(run))]
+    for node, out in zip(run, outs, strict=True):
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+
+
+def compile_backend(
+    inner: str | Callable = "inductor", on_fused: Callable[[int], None] | None = None
+) -> Callable:
+    """A ``torch.compile`` backend: :func:`fuse_linears`, then ``inner`` (Inductor by default).
+
+    ``on_fused`` is told how many ``linear`` calls each compiled graph lost.
+    """
+    from torch._dynamo import lookup_backend
+
+    compile_inner = lookup_backend(inner) if isinstance(inner, str) else inner
+
+    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        removed = fuse_linears(gm, example_inputs)
+        if on_fused is not None:
+            on_fused(removed)
+        return compile_inner(gm, example_inputs)
+
+    return backend

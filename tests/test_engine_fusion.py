@@ -1,0 +1,93 @@
+"""Projection fusion: stacked sibling weights and the graph pass that runs them as one matmul (CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hf_models import build_model, make_prompts
+
+from paged_ops.engine import fusion
+from paged_ops.metadata import SequenceSlice
+
+pytest.importorskip("transformers")
+hf = pytest.importorskip("paged_ops.integrations.transformers")
+
+
+def linear_count(model: torch.nn.Module, *args, **kwargs) -> tuple[int, int, torch.Tensor]:
+    """Compile ``model`` with the fusing backend (aot_eager inside); returns the number of linear
+    calls the traced graph had, how many fusion removed, and the compiled model's output."""
+    seen: dict[str, int] = {}
+
+    def inner(gm, example_inputs):
+        seen["after"] = sum(n.target in fusion._LINEAR_TARGETS for n in gm.graph.nodes)
+        from torch._dynamo import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    removed: list[int] = []
+    backend = fusion.compile_backend(inner, removed.append)
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
+    return seen["after"] + sum(removed), sum(removed), out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
+def test_stacked_projections_run_as_one_matmul_with_the_same_logits(family):
+    model = build_model(family)
+    num_layers = model.config.num_hidden_layers
+    pa = hf.patch_model(model, backend="reference", block_size=4, num_blocks=32, max_num_seqs=2,
+                        max_model_len=64)  # fmt: skip
+    ids = torch.tensor(make_prompts([9], seed=1)[0])
+    slices = [SequenceSlice(list(range(3)), 0, 9)]
+
+    def run(m: torch.nn.Module) -> torch.Tensor:
+        pa.prepare_slices(slices, num_tokens=9, num_seqs=1)
+        with torch.inference_mode():
+            return m(
+                input_ids=ids[None], position_ids=torch.arange(9)[None], use_cache=False
+            ).logits
+
+    reference = run(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    groups = fusion.stack_projection_weights(model)
+    assert len(groups) == 2 * num_layers  # q/k/v and gate/up of every layer
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name  # values unchanged
+    for group in groups:
+        assert fusion._stacked(group)
+    ptr = groups[0][0].weight.data_ptr()
+    assert fusion.stack_projection_weights(model) and groups[0][0].weight.data_ptr() == ptr
+    assert torch.equal(run(model), reference)  # eager: the views are the same weights
+
+    pa.prepare_slices(slices, num_tokens=9, num_seqs=1)
+    with torch.inference_mode():
+        total, removed, _ = linear_count(model, input_ids=ids[None],
+                                         position_ids=torch.arange(9)[None], use_cache=False)  # fmt: skip
+    assert removed == 3 * num_layers  # 3 of each layer's 7 projections
+    assert total == 7 * num_layers + 1  # + the LM head
+    compiled = torch.compile(model, backend=fusion.compile_backend("aot_eager"), fullgraph=True)
+    torch.testing.assert_close(run(compiled), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_projections_are_not_fused_unless_their_weights_are_stacked():
+    model = build_model("llama")
+    hf.patch_model(model, backend="reference", block_size=4, num_blocks=32, max_num_seqs=2,
+                   max_model_len=64)  # fmt: skip
+    hf.paged_attention_of(model).prepare_slices([SequenceSlice([0, 1], 0, 5)], num_tokens=5,
+                                                num_seqs=1)  # fmt: skip
+    with torch.inference_mode():
+        _, removed, _ = linear_count(model, input_ids=torch.arange(3, 8)[None],
+                                     position_ids=torch.arange(5)[None], use_cache=False)  # fmt: skip
+    assert removed == 0
+
+
+def test_rebinding_a_stacked_weight_is_refused():
+    model = build_model("llama")
+    groups = fusion.stack_projection_weights(copy.deepcopy(model))
+    fusion.check_stacked(groups)
+    attn = groups[0][0]
+    attn.weight = torch.nn.Parameter(attn.weight.detach().clone())
+    with pytest.raises(RuntimeError, match="re-bound"):
+        fusion.check_stacked(groups)
