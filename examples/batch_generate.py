@@ -41,7 +41,7 @@ def main() -> None:
     m = llm.last_metrics
     print(m.summary())
     print(
-        f"{m.num_steps} steps ({m.num_decode_steps} pure decode), "
+        f"{m.num_steps} steps ({m.num_decode_steps} pure decode, {m.num_overlapped_steps} queued ahead), "
         f"{m.num_preemptions} preemptions, {m.num_cached_tokens} prompt tokens from the prefix cache"
     )
 
