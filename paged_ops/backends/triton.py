@@ -230,7 +230,6 @@ def paged_attention(
         USE_ALIBI=alibi_slopes is not None,
         NUM_SEGMENTS=nseg,
         IEEE_DOT=query.dtype == torch.float32,
-        EVEN_D=d_pad == head_dim,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

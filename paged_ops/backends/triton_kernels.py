@@ -97,85 +97,6 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(
-    acc,
-    m_i,
-    l_i,
-    q,  # [BLOCK_M, D_PAD]
-    tile,
-    kv_base,
-    table_row,
-    stride_cn,
-    stride_ckv,
-    stride_cb,
-    stride_cd,
-    block_size,
-    kv_len,
-    q_pos,  # [BLOCK_M] absolute position of each row
-    row_valid,  # [BLOCK_M]
-    d_mask,  # [D_PAD]
-    qk_scale,  # scale * log2(e), or scale / softcap with USE_SOFTCAP
-    softcap_log2,  # softcap * log2(e)
-    slope_log2,  # [BLOCK_M] ALiBi slope * log2(e)
-    window,
-    TILE_N: tl.constexpr,
-    D_PAD: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    USE_ALIBI: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
-):
-    """One KV tile of the online softmax; scores are kept in log2 units.
-
-    ``MASKED=False`` is for tiles that every row of the block sees whole (inside the KV length,
-    below the causal diagonal, inside the window): no masks are built or applied.
-    """
-    offs_d = tl.arange(0, D_PAD)
-    offs_n = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] KV positions
-    if MASKED:
-        n_valid = offs_n < kv_len
-        blk = tl.load(table_row + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
-        kv_mask = n_valid[:, None] & d_mask[None, :]
-    else:
-        blk = tl.load(table_row + offs_n // block_size).to(tl.int64)
-        kv_mask = (offs_n[:, None] >= 0) & d_mask[None, :]
-    offs_kv = blk * stride_cn + (offs_n % block_size) * stride_cb  # [TILE_N]
-    k_ptrs = kv_base + offs_kv[:, None] + offs_d[None, :] * stride_cd
-    if MASKED or not EVEN_D:
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [TILE_N, D_PAD]
-        v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0)  # [TILE_N, D_PAD]
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(k_ptrs + stride_ckv)
-    s = _dot(q, tl.trans(k), IEEE_DOT)  # [BLOCK_M, TILE_N] fp32
-    s = softcap_log2 * _tanh(s * qk_scale) if USE_SOFTCAP else s * qk_scale
-    if USE_ALIBI or MASKED:
-        rel = offs_n[None, :] - q_pos[:, None]  # [BLOCK_M, TILE_N], j - p
-    if USE_ALIBI:
-        s = s + slope_log2[:, None] * rel.to(tl.float32)
-    if MASKED:
-        visible = row_valid[:, None] & n_valid[None, :]
-        if CAUSAL:
-            visible = visible & (rel <= 0)
-        if USE_WINDOW:
-            visible = visible & (rel > -window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = m_new  # every score of the tile is finite
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
-    return acc, m_new, l_i
-
-
-@triton.jit
 def paged_attention_kernel(
     out_ptr,  # [T, Hq, D] (NUM_SEGMENTS == 1) or partial acc [T, Hq, NUM_SEGMENTS, D_PAD] fp32
     part_m_ptr,  # [T, Hq, NUM_SEGMENTS] fp32 running max (log2 units); unused if NUM_SEGMENTS == 1
@@ -218,7 +139,6 @@ def paged_attention_kernel(
     USE_ALIBI: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
-    EVEN_D: tl.constexpr,  # head_dim == D_PAD
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -280,46 +200,46 @@ def paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
-        slope_log2 = tl.load(alibi_ptr + head) * LOG2E  # [BLOCK_M]
-    else:
-        slope_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    qk_scale = scale / softcap if USE_SOFTCAP else scale * LOG2E
-    softcap_log2 = softcap * LOG2E
+        slope = tl.load(alibi_ptr + head)  # [BLOCK_M]
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     kv_base = cache_ptr + kv_head * stride_ch
 
-    # Tiles [full_lo, full_hi) are seen whole by every row: inside the KV length, at or below the
-    # first row's diagonal, and past the window's start for the last row. The rest get masks.
-    full_hi = kv_len // TILE_N
-    if CAUSAL:
-        full_hi = tl.minimum(full_hi, (first_pos + 1) // TILE_N)
-    full_lo = tile_lo
-    if USE_WINDOW:
-        full_lo = tl.maximum(full_lo, tl.cdiv(tl.maximum(last_pos - window + 1, 0), TILE_N))
-    full_lo = tl.minimum(full_lo, tile_hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), tile_hi)
-    for tile in range(tile_lo, full_lo):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, tile, kv_base, table_row, stride_cn, stride_ckv, stride_cb,
-            stride_cd, block_size, kv_len, q_pos, row_valid, d_mask, qk_scale, softcap_log2,
-            slope_log2, window, TILE_N, D_PAD, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP,
-            USE_ALIBI, IEEE_DOT,
-        )  # fmt: skip
-    for tile in range(full_lo, full_hi):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, tile, kv_base, table_row, stride_cn, stride_ckv, stride_cb,
-            stride_cd, block_size, kv_len, q_pos, row_valid, d_mask, qk_scale, softcap_log2,
-            slope_log2, window, TILE_N, D_PAD, EVEN_D, False, CAUSAL, USE_WINDOW, USE_SOFTCAP,
-            USE_ALIBI, IEEE_DOT,
-        )  # fmt: skip
-    for tile in range(full_hi, tile_hi):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, tile, kv_base, table_row, stride_cn, stride_ckv, stride_cb,
-            stride_cd, block_size, kv_len, q_pos, row_valid, d_mask, qk_scale, softcap_log2,
-            slope_log2, window, TILE_N, D_PAD, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP,
-            USE_ALIBI, IEEE_DOT,
-        )  # fmt: skip
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] KV positions
+        n_valid = offs_n < kv_len
+        blk = tl.load(table_row + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
+        offs_kv = blk * stride_cn + (offs_n % block_size) * stride_cb  # [TILE_N]
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+        k = tl.load(
+            kv_base + offs_kv[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0
+        )  # [TILE_N, D_PAD]
+        v = tl.load(
+            kv_base + stride_ckv + offs_kv[:, None] + offs_d[None, :] * stride_cd,
+            mask=kv_mask,
+            other=0.0,
+        )  # [TILE_N, D_PAD]
+        s = _dot(q, tl.trans(k), IEEE_DOT)
+        s = s * scale  # [BLOCK_M, TILE_N] fp32
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        rel = offs_n[None, :] - q_pos[:, None]  # [BLOCK_M, TILE_N], j - p
+        if USE_ALIBI:
+            s = s + slope[:, None] * rel.to(tl.float32)
+        visible = row_valid[:, None] & n_valid[None, :]
+        if CAUSAL:
+            visible = visible & (rel <= 0)
+        if USE_WINDOW:
+            visible = visible & (rel > -window)
+        s = tl.where(visible, s * LOG2E, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
+        m_i = m_new
 
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
