@@ -5,6 +5,7 @@ several replays of ``--calls`` back-to-back kernel calls. Decode reports KV byte
 (the bound that matters); prefill reports causal attention FLOP/s (4 * Hq * D per visible pair).
 
     python benchmarks/bench_triton.py --json out.json [--sweep]
+    python benchmarks/bench_triton.py --head-dim 256 --sweep --sweep-kinds decode   # D=256 tiles
 """
 
 from __future__ import annotations
@@ -123,20 +124,23 @@ def write_kv_row(calls: int) -> dict:
     return dict(kind="write_kv", batch=t, us=sec * 1e6, tb_per_s=moved / sec / 1e12)
 
 
-def sweep(calls: int) -> list[dict]:
+def sweep(calls: int, kinds: set[str]) -> list[dict]:
     """Tile/warp/stage(/segment) sweep for one prefill and two decode shapes; failures recorded."""
     group = HQ // HKV
-    prefill = (make_step([2048] * 4, [2048] * 4), [64, 128], [32, 64, 128], [4, 8])
-    shapes = {
-        "prefill_4x2048": prefill,
-        "decode_8x16384": (make_step([1] * 8, [16384] * 8), [16], [32, 64, 128], [2, 4]),
-        "decode_64x4096": (make_step([1] * 64, [4096] * 64), [16], [32, 64, 128], [2, 4]),
-    }
+    shapes = {}
+    if "prefill" in kinds:
+        prefill = (make_step([2048] * 4, [2048] * 4), [64, 128], [32, 64, 128], [4, 8], [2, 3])
+        shapes["prefill_4x2048"] = prefill
+    if "decode" in kinds:
+        tiles, warps, stages = [16, 32, 64], [2, 4, 8], [2, 3]
+        for batch, ctx in ((8, 16384), (64, 4096)):
+            step = make_step([1] * batch, [ctx] * batch)
+            shapes[f"decode_{batch}x{ctx}"] = (step, [16], tiles, warps, stages)
     rows = []
-    for name, (args, block_ms, tile_ns, warps) in shapes.items():
+    for name, (args, block_ms, tile_ns, warps, stages) in shapes.items():
         nseg = default_config(args).num_segments
-        nsegs = [nseg] if nseg == 1 else [nseg, 2 * nseg, 4 * nseg]
-        for bm, tn, w, st, ns in itertools.product(block_ms, tile_ns, warps, [2, 3], nsegs):
+        nsegs = [nseg] if nseg == 1 else [nseg, 2 * nseg]
+        for bm, tn, w, st, ns in itertools.product(block_ms, tile_ns, warps, stages, nsegs):
             cfg = tb.LaunchConfig(bm, bm // group, tn, ns, w, st)
             try:
                 sec = time_graph(attention(args, config=cfg), max(calls // 4, 2), replays=3)
@@ -151,7 +155,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--json", default=None)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-kinds", default="decode,prefill", help="what --sweep covers")
+    parser.add_argument("--head-dim", type=int, default=D, help="head size of every shape")
     a = parser.parse_args()
+    globals()["D"] = a.head_dim  # every helper reads the module's D
     device = torch.cuda.get_device_name()
     print(f"# {device}, torch {torch.__version__}, Hq={HQ} Hkv={HKV} D={D} page={BLOCK}, bf16")
     rows = [*decode_rows(a.calls), *prefill_rows(a.calls), write_kv_row(a.calls)]
@@ -164,9 +171,9 @@ def main() -> None:
             f"{r['kind']:8} {r['batch']:>6} {r.get('context', ''):>6} {r.get('mode', ''):9} "
             f"{r.get('segments', ''):>3} {r['us']:>9.1f} {fig:>16}"
         )
-    result = dict(device=device, torch=torch.__version__, rows=rows)
+    result = dict(device=device, torch=torch.__version__, head_dim=D, rows=rows)
     if a.sweep:
-        result["sweep"] = sweep(a.calls)
+        result["sweep"] = sweep(a.calls, set(a.sweep_kinds.split(",")))
         for name in sorted({r["shape"] for r in result["sweep"]}):
             ok = [r for r in result["sweep"] if r["shape"] == name and "us" in r]
             for r in sorted(ok, key=lambda r: r["us"])[:3]:
