@@ -2,7 +2,8 @@
 
 Without a GPU the kernels run under Triton's interpreter (conftest sets TRITON_INTERPRET=1), which is
 slow: shapes here are tiny, yet cover every tile path (decode-like 16-row and prefill 64-row M tiles,
-GQA groups that do not divide the tile, 32-wide KV tiles of head size 256, split-KV). bfloat16 dots
+GQA groups that do not divide the tile, head size 256 with 32-wide (prefill) and 64-wide (decode) KV
+tiles, split-KV). bfloat16 dots
 are wrong under the interpreter, so bfloat16 is tested in test_triton_gpu.py.
 """
 
@@ -128,6 +129,17 @@ def test_unusual_geometries_match_dense_f64(num_q_heads, num_kv_heads, head_dim)
     )
     out = run_triton(batch)
     assert_matches_dense(out, batch, dense_batch_f64(batch, scale=head_dim**-0.5), rtol=1e-5)
+
+
+def test_head256_decode_uses_64_wide_kv_tiles_and_matches_dense_f64():
+    # decode-like steps of head size 256 take 64-wide KV tiles (prefill keeps 32)
+    batch = make_batch([(70, 1), (130, 1), (9, 1)], num_q_heads=4, num_kv_heads=2, head_dim=256,
+                       block_size=16, seed=7)  # fmt: skip
+    shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=256, num_sms=1, max_kv_len=160)
+    assert triton_backend.launch_config(num_tokens=3, num_seqs=3, **shape).tile_n == 64
+    assert triton_backend.launch_config(num_tokens=64, num_seqs=3, **shape).tile_n == 32
+    out = run_triton(batch)
+    assert_matches_dense(out, batch, dense_batch_f64(batch, scale=256**-0.5), rtol=1e-5)
 
 
 def test_float16_matches_dense():
