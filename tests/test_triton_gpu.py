@@ -39,6 +39,22 @@ def test_mixed_batch_matches_dense_f64(dtype, head_dim, group):
     assert_matches_dense(out, batch, expected, rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_decode_batch_matches_dense_f64(dtype, head_dim):
+    # decode-like launch (16-row M tile, 64-wide KV tiles at every head size), split and unsplit
+    batch = make_batch([(70, 1), (130, 1), (9, 1), (1000, 1)], num_q_heads=8, num_kv_heads=2,
+                       head_dim=head_dim, block_size=16, dtype=dtype, device="cuda",
+                       seed=head_dim)  # fmt: skip
+    paged_ops.write_kv(
+        batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend="triton"
+    )
+    expected = dense_batch_f64(batch, scale=head_dim**-0.5)
+    for segments in (None, 1):
+        out = attend(batch, "triton", num_segments=segments)
+        assert_matches_dense(out, batch, expected, rtol=TOLERANCE[dtype])
+
+
 FEATURES = {
     "sliding_window": dict(sliding_window=24),
     "softcap": dict(softcap=30.0, scale=0.2),
