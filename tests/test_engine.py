@@ -154,16 +154,18 @@ def test_overlapped_steps_give_the_same_outputs_as_one_sync_per_step(models):
     ]
     results = {}
     for overlap in (False, True):
-        for num_blocks in (64, 14):  # 14 blocks of 4: preemption under the overlapped loop too
-            llm = make_llm(models, max_model_len=48, num_blocks=num_blocks, overlap=overlap)
+        # 14 blocks of 4: preemption under the overlapped loop too; 2 seats: a queue waits
+        for num_blocks, seats in ((64, 8), (14, 8), (64, 2)):
+            llm = make_llm(models, max_model_len=48, num_blocks=num_blocks, max_num_seqs=seats,
+                           overlap=overlap)  # fmt: skip
             outs = llm.generate(prompts, params, use_tqdm=False)
             m = llm.last_metrics
-            assert (m.num_overlapped_steps > 0) == overlap, (overlap, num_blocks)
+            assert (m.num_overlapped_steps > 0) == overlap, (overlap, num_blocks, seats)
             assert llm.pa.allocator.num_free == num_blocks
-            results[overlap, num_blocks] = [(o.token_ids, o.finish_reason) for o in outs]
-    first = results[False, 64]
+            results[overlap, num_blocks, seats] = [(o.token_ids, o.finish_reason) for o in outs]
+    first = results[False, 64, 8]
     assert all(r == first for r in results.values()), results
-    outs = results[True, 64]
+    outs = results[True, 64, 8]
     assert outs[1] == (greedy[1][: greedy[1].index(stop) + 1], "stop")
     assert outs[0] == (greedy[0], "length") and outs[4] == (greedy[4][:1], "length")
 

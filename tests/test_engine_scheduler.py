@@ -110,9 +110,10 @@ def test_steps_scheduled_ahead_give_the_same_tokens_and_free_every_block():
     prompts = [[i + 1] * n for i, n in enumerate((9, 14, 5, 11, 7, 2))]
     stops = {expected(p, 12)[k] for p, k in zip(prompts, (2, 5, 11), strict=False)}
     lengths = (12, 3, 7, 12, 1, 9)
-    for num_blocks in (64, 12):  # plenty, and tight enough to preempt
+    # plenty of blocks, tight enough to preempt, and fewer seats than requests (a queue)
+    for num_blocks, seats in ((64, 4), (12, 4), (64, 2)):
         alloc = BlockAllocator(num_blocks=num_blocks, block_size=BLOCK)
-        sched = Scheduler(alloc, max_num_seqs=4, max_num_tokens=16, max_model_len=64)
+        sched = Scheduler(alloc, max_num_seqs=seats, max_num_tokens=16, max_model_len=64)
         seqs = [
             Sequence(i, len(t), list(t), SamplingParams(max_new_tokens=n), 0, frozenset(stops))
             for i, (t, n) in enumerate(zip(prompts, lengths, strict=True))
@@ -148,6 +149,44 @@ def test_schedule_ahead_declines_when_it_cannot_run_the_next_decode_step():
         nxt = sched.schedule_ahead(ahead)
         assert (nxt is None) == (num_blocks == 3)  # never preempts to run ahead
         assert long.status is SeqStatus.RUNNING and len(long.block_ids) == num_blocks
+
+
+def test_schedule_ahead_never_skips_a_running_sequence_the_budget_left_out():
+    # An older request (re-)admitted mid-prompt can take a whole step's budget and end its prompt;
+    # the younger running one misses that step, and must not miss the steps queued after it.
+    alloc = BlockAllocator(num_blocks=64, block_size=BLOCK)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_tokens=8, max_model_len=64)
+    old, young = make([[1] * 15, [2] * 3], 20)
+    sched.add(young)
+    sched.postprocess(sched.schedule(), [5])  # young decodes from here on
+    sched.add(old)  # joins behind young's decode with 7 of its 15 tokens
+    batch = sched.schedule()
+    assert [s.seq_id for s in batch.seqs] == [1, 0] and batch.num_new == [1, 7]
+    sched.postprocess(batch, [6, 0])
+    batch = sched.schedule()  # old (first now) takes all 8 tokens and ends its prompt
+    assert batch.seqs == [old] and batch.num_new == [8]
+    assert sched.schedule_ahead(batch) is None  # young would starve behind steps queued ahead
+    sched.postprocess(batch, [7])
+    batch = sched.schedule()
+    assert batch.seqs == [old, young] and sched.schedule_ahead(batch) is not None
+
+
+def test_schedule_ahead_with_requests_waiting_only_while_every_seat_stays_taken():
+    alloc = BlockAllocator(num_blocks=64, block_size=BLOCK)
+    sched = Scheduler(alloc, max_num_seqs=2, max_num_tokens=16, max_model_len=64)
+    a, b, c = (
+        Sequence(i, 3, [i + 1] * 3, SamplingParams(max_new_tokens=n), 0, frozenset())
+        for i, n in enumerate((9, 2, 9))
+    )
+    for seq in (a, b, c):
+        sched.add(seq)
+    batch = sched.schedule()  # a and b take both seats; c waits
+    assert batch.seqs == [a, b] and list(sched.waiting) == [c]
+    ahead = sched.schedule_ahead(batch)  # nobody finishes: c could not join anyway
+    assert ahead is not None and ahead.feed_rows == [0, 1]
+    sched.postprocess(batch, [4, 4])
+    # b's last token comes from ``ahead``: its seat frees, so c joins in a normal step
+    assert sched.schedule_ahead(ahead) is None
 
 
 def test_schedule_ahead_leaves_out_sequences_that_finish_on_length():

@@ -215,13 +215,19 @@ class Scheduler:
         """Schedule the decode step that follows ``running`` before its sampled tokens are known.
 
         Every sequence of ``running`` that will get a token from it and can go on adds that token
-        (fed from the device, see ``ScheduledBatch.feed_rows``). Returns ``None`` (schedule
-        normally after ``running`` is postprocessed) when requests are waiting to join, when a
-        sequence of ``running`` is mid-prompt, or when the new tokens' blocks are not free
-        without preempting; never preempts. ``running``'s sequences that finish on length are
-        left out: they need no further step.
+        (fed from the device, see ``ScheduledBatch.feed_rows``); ``running``'s sequences that
+        finish on length are left out, they need no further step. Returns ``None`` (schedule
+        normally after ``running`` is postprocessed) when
+
+        - a running sequence is not in ``running`` (the step's token budget ran out before it:
+          only a normal step gives it its turn), or one of ``running`` is mid-prompt;
+        - requests wait and could join now: a seat is free, or one frees as a sequence finishes
+          on length (with every seat taken and nobody finishing, they could not join anyway);
+        - the new tokens' blocks are not free without preempting (this never preempts).
         """
-        if self.waiting:
+        if sum(s.status is SeqStatus.RUNNING for s in running.seqs) != len(self.running):
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
             return None
         rows: list[int] = []
         for i, (seq, n) in enumerate(zip(running.seqs, running.num_new, strict=True)):
@@ -235,6 +241,8 @@ class Scheduler:
             length = pending + 1  # tokens once ``running``'s sample is appended
             generated = length - seq.prompt_len
             if generated >= seq.params.max_new_tokens or length >= self.max_model_len:
+                if self.waiting:
+                    return None  # its seat frees: let a waiting request take it in a normal step
                 continue  # finishes on length with ``running``'s token
             rows.append(i)
         if not rows:
