@@ -82,7 +82,7 @@ class ModelRunner:
         self._host_ids = torch.zeros(self.max_num_tokens, dtype=torch.int64, pin_memory=on_cuda)
         self._host_ids_copied = torch.cuda.Event() if on_cuda else None
         self._compiled = compile
-        self._forward: Callable[..., torch.Tensor] = self._model_forward
+        self._forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._model_forward
         self.fused_groups: list = []  # projection groups whose weights were stacked
         self.num_fused_linears = 0  # linear calls removed from the compiled graph
         if compile:

@@ -230,6 +230,7 @@ class Scheduler:
         if self.waiting and len(self.running) < self.max_num_seqs:
             return None
         rows: list[int] = []
+        starts: list[int] = []  # position of each row's new token
         for i, (seq, n) in enumerate(zip(running.seqs, running.num_new, strict=True)):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # finished on a stop token in the step before ``running``
@@ -238,17 +239,15 @@ class Scheduler:
             pending = seq.num_computed + n
             if pending != len(seq.tokens):
                 return None  # a prompt chunk that does not reach the end of the prompt
-            length = pending + 1  # tokens once ``running``'s sample is appended
-            generated = length - seq.prompt_len
-            if generated >= seq.params.max_new_tokens or length >= self.max_model_len:
+            if self._reaches_length(seq, pending + 1):  # with ``running``'s sample appended
                 if self.waiting:
                     return None  # its seat frees: let a waiting request take it in a normal step
                 continue  # finishes on length with ``running``'s token
             rows.append(i)
+            starts.append(pending)
         if not rows:
             return None
         seqs = [running.seqs[i] for i in rows]
-        starts = [s.num_computed + running.num_new[i] for s, i in zip(seqs, rows, strict=True)]
         needs = [
             blocks_needed(p + 1, self.block_size) - len(s.block_ids)
             for s, p in zip(seqs, starts, strict=True)
@@ -287,10 +286,7 @@ class Scheduler:
             reason = None
             if token in seq.stop_ids:
                 reason = "stop"
-            elif (
-                seq.num_generated >= seq.params.max_new_tokens
-                or len(seq.tokens) >= self.max_model_len
-            ):
+            elif self._reaches_length(seq, len(seq.tokens)):
                 reason = "length"
             if reason is not None:
                 seq.finish_reason, seq.status = reason, SeqStatus.FINISHED
@@ -299,6 +295,10 @@ class Scheduler:
         return advanced
 
     # ---- helpers ----
+
+    def _reaches_length(self, seq: Sequence, length: int) -> bool:
+        """Whether ``seq`` is done on length once it holds ``length`` tokens."""
+        return length - seq.prompt_len >= seq.params.max_new_tokens or length >= self.max_model_len
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and queue it first for recompute (prompt + generated)."""
