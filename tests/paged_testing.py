@@ -165,6 +165,16 @@ def assert_matches_dense(
         assert err <= rtol, f"sequence {s}: relative error {err:.2e} > {rtol:.0e}"
 
 
+def write_and_attend(
+    batch: PagedBatch, backend: str, num_segments: int | None = None, **kwargs: object
+):
+    """``paged_ops.write_kv`` of the batch's new K/V through ``backend``, then :func:`attend`."""
+    paged_ops.write_kv(
+        batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend=backend
+    )
+    return attend(batch, backend, num_segments, **kwargs)
+
+
 def attend(batch: PagedBatch, backend: str, num_segments: int | None = None, **kwargs: object):
     """``paged_ops.paged_attention`` over ``batch``; with ``num_segments``, the triton backend
     directly with that split-KV segment count forced. kwargs are the public wrapper's keywords."""

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from paged_testing import assert_matches_dense, dense_batch_f64, make_batch
+from paged_testing import assert_matches_dense, dense_batch_f64, make_batch, write_and_attend
 
-import paged_ops
 from paged_ops import MetadataBuilder, SequenceSlice
 
 pytestmark = pytest.mark.gpu
@@ -23,18 +22,7 @@ def test_reference_backend_on_cuda_matches_dense(dtype):
         pad_tokens=3,
         pad_seqs=1,
     )
-    paged_ops.write_kv(
-        batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend="reference"
-    )
-    out = paged_ops.paged_attention(
-        batch.query,
-        batch.kv_cache,
-        batch.cu_seqlens_q,
-        batch.seq_lens,
-        batch.block_table,
-        sliding_window=12,
-        backend="reference",
-    )
+    out = write_and_attend(batch, "reference", sliding_window=12)
     expected = dense_batch_f64(batch, scale=128**-0.5, window=12)
     assert_matches_dense(out, batch, expected, rtol=1e-5 if dtype == torch.float32 else 1e-2)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from paged_testing import assert_matches_dense, dense_batch_f64, make_batch
+from paged_testing import assert_matches_dense, dense_batch_f64, make_batch, write_and_attend
 
 import paged_ops
 
@@ -12,18 +12,7 @@ MIXED = [(0, 7), (13, 1), (30, 5), (0, 1), (21, 1)]  # (context_len, q_len): pre
 
 
 def run_reference(batch, **kwargs):
-    paged_ops.write_kv(
-        batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend="reference"
-    )
-    return paged_ops.paged_attention(
-        batch.query,
-        batch.kv_cache,
-        batch.cu_seqlens_q,
-        batch.seq_lens,
-        batch.block_table,
-        backend="reference",
-        **kwargs,
-    )
+    return write_and_attend(batch, "reference", **kwargs)
 
 
 @pytest.mark.parametrize("block_size", [1, 16])

@@ -13,7 +13,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from paged_testing import assert_matches_dense, attend, dense_batch_f64, make_batch
+from paged_testing import (
+    assert_matches_dense,
+    dense_batch_f64,
+    make_batch,
+    write_and_attend,
+)
 
 import paged_ops
 from paged_ops.backends import LayerSpec, resolve_backend
@@ -30,10 +35,7 @@ MIXED = [(0, 7), (13, 1), (30, 5), (0, 1), (21, 1)]  # (context_len, q_len): pre
 
 def run_triton(batch, num_segments=None, **kwargs):
     """write_kv through the public op, then attention (``num_segments`` forces split-KV)."""
-    paged_ops.write_kv(
-        batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend="triton"
-    )
-    return attend(batch, "triton", num_segments, **kwargs)
+    return write_and_attend(batch, "triton", num_segments, **kwargs)
 
 
 def dense_kwargs(head_dim, kwargs):

@@ -5,7 +5,13 @@ Run with ``python -m pytest -q -m gpu tests/test_triton_gpu.py`` on a CUDA machi
 
 import pytest
 import torch
-from paged_testing import assert_matches_dense, attend, dense_batch_f64, make_batch
+from paged_testing import (
+    assert_matches_dense,
+    attend,
+    dense_batch_f64,
+    make_batch,
+    write_and_attend,
+)
 
 import paged_ops
 from paged_ops.backends import triton as triton_backend
@@ -31,10 +37,7 @@ def test_mixed_batch_matches_dense_f64(dtype, head_dim, group):
         pad_seqs=1,
         seed=head_dim * group,
     )
-    paged_ops.write_kv(
-        batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend="triton"
-    )
-    out = attend(batch, "triton")
+    out = write_and_attend(batch, "triton")
     expected = dense_batch_f64(batch, scale=head_dim**-0.5)
     assert_matches_dense(out, batch, expected, rtol=TOLERANCE[dtype])
 
@@ -46,12 +49,9 @@ def test_decode_batch_matches_dense_f64(dtype, head_dim):
     batch = make_batch([(70, 1), (130, 1), (9, 1), (1000, 1)], num_q_heads=8, num_kv_heads=2,
                        head_dim=head_dim, block_size=16, dtype=dtype, device="cuda",
                        seed=head_dim)  # fmt: skip
-    paged_ops.write_kv(
-        batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend="triton"
-    )
     expected = dense_batch_f64(batch, scale=head_dim**-0.5)
     for segments in (None, 1):
-        out = attend(batch, "triton", num_segments=segments)
+        out = write_and_attend(batch, "triton", num_segments=segments)
         assert_matches_dense(out, batch, expected, rtol=TOLERANCE[dtype])
 
 
