@@ -1,20 +1,21 @@
 """Hugging Face integration: swap a causal LM's attention for paged-KV-cache attention.
 
-``patch_model(model)`` registers one attention function under the name ``"paged_ops"`` in
-``transformers.AttentionInterface`` and switches the model to it. Because no attention *mask*
-function is registered under that name, transformers builds no 4D mask (the function receives
-``attention_mask=None``); masking is the paged op's job (causal, sliding window, per sequence).
+``import paged_ops.integrations.transformers`` registers the name ``"paged_ops"`` with
+transformers: an attention function (``AttentionInterface``) and a mask function
+(``AttentionMaskInterface``) that prepares each step (see :mod:`.hf_attention`). A model then runs
+on paged attention either because ``patch_model(model)`` switched it (explicit cache sizes), or
+because it was loaded with ``from_pretrained/from_config(..., attn_implementation="paged_ops")``
+(default sizes, created on first use).
 
-Each attention module gets a plain (unregistered) reference to the model's
-:class:`~paged_ops.module.PagedAttention`, so two patched models in one process stay apart, the
-state dict is unchanged, and ``torch.compile`` sees a constant attribute (no graph break).
+Either way it stays a transformers model:
 
-Per-layer constants are read from the model at patch time (``module.scaling``, the layer's sliding
-window, ``attn_logit_softcapping``, gpt-oss sinks) into :class:`~paged_ops.module.LayerConfig`.
-The values transformers passes per call are checked against them when the forward is traced, so a
-family that computes attention differently from what was read fails loudly, never silently.
-
-The model then runs on packed inputs: see :func:`forward_step` and the README for the loop.
+- ``model(input_ids [B, T], attention_mask [B, T], past_key_values=...)`` runs on the ops, each row
+  one sequence (padding at either end of a row gets no KV slot);
+- ``model.generate(...)`` keeps its keys in a :class:`~.hf_cache.PagedCache` it creates by itself
+  (this module wraps transformers' ``_prepare_cache_for_generation`` for models running
+  ``"paged_ops"`` only), including HF's compiled decode (``cache_implementation="static"``);
+- the packed low-level loop (``pa.prepare`` + ``[1, T]`` inputs, :func:`forward_step`) that the
+  ``LLM`` engine drives keeps working on the same cache.
 """
 
 from __future__ import annotations
@@ -25,190 +26,98 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
+from paged_ops.integrations.hf_attention import paged_attention_forward, paged_mask
+from paged_ops.integrations.hf_binding import (
+    ATTN_IMPLEMENTATION,
+    bind,
+    binding_of,
+    paged_attention_of,
+    unbind,
+)
+from paged_ops.integrations.hf_cache import PagedCache, adopt_cache
+from paged_ops.integrations.hf_families import (
+    DEFAULT_MAX_MODEL_LEN,
+    SUPPORTED_MODEL_TYPES,
+    check_supported,
+    new_paged_attention,
+    refusal,
+)
 from torch import nn
 
-from paged_ops.cache import blocks_needed
-from paged_ops.module import LayerConfig, PagedAttention
+from paged_ops.module import PagedAttention
 
-ATTN_IMPLEMENTATION = "paged_ops"
-_PA_ATTR = "_paged_ops_attention"  # on each attention module: the model's PagedAttention
-_STATE_ATTR = "_paged_ops_state"  # on the model: (original config, pa, patched private config)
-DEFAULT_MAX_MODEL_LEN = 4096
-DEFAULT_CACHE_SEQS = 8  # the default cache holds this many full-length sequences
-
-# model_type -> where each layer's sliding window comes from:
-#   "none":   the family has no sliding window;
-#   "config": config.sliding_window applies to every layer (Mistral, Phi-3, Starcoder2, Mixtral);
-#   "layer":  the attention module's own ``sliding_window`` (set from config.layer_types).
-# Every family here is checked against eager attention in tests/test_hf_parity.py.
-_FAMILIES: dict[str, str] = {
-    "apertus": "none",
-    "arcee": "none",
-    "cohere": "none",
-    "cohere2": "layer",
-    "ernie4_5": "none",
-    "gemma": "none",
-    "gemma2": "layer",
-    "gemma3_text": "layer",
-    "glm": "none",
-    "glm4": "none",
-    "gpt_oss": "layer",
-    "granite": "none",
-    "granitemoe": "none",
-    "helium": "none",
-    "hunyuan_v1_dense": "none",
-    "llama": "none",
-    "ministral": "layer",
-    "mistral": "config",
-    "mixtral": "config",
-    "nemotron": "none",
-    "olmo": "none",
-    "olmo2": "none",
-    "olmo3": "layer",
-    "phi": "none",
-    "phi3": "config",
-    "qwen2": "layer",
-    "qwen2_moe": "layer",  # the window reaches eager attention through the mask only
-    "qwen3": "layer",
-    "qwen3_moe": "layer",
-    "seed_oss": "none",
-    "smollm3": "layer",
-    "stablelm": "none",
-    "starcoder2": "config",
-}
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILIES))
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "DEFAULT_MAX_MODEL_LEN",
+    "SUPPORTED_MODEL_TYPES",
+    "PagedCache",
+    "forward_step",
+    "paged_attention_of",
+    "patch_model",
+    "sizes_fixed",
+    "unpatch_model",
+]
 
 
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    """Each decoder layer's ``self_attn`` in layer order; ValueError when the layout differs."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    if layers is None:
-        raise ValueError("the model has no decoder `.layers`")
-    modules = []
-    for i, layer in enumerate(layers):
-        attn = getattr(layer, "self_attn", None)
-        if attn is None or getattr(attn, "layer_idx", None) != i:
-            raise ValueError(f"decoder layer {i} has no `self_attn` with `layer_idx == {i}`")
-        modules.append(attn)
-    return modules
+def _paged_cache_for_generation(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``GenerationMixin._prepare_cache_for_generation``: a model running ``"paged_ops"``
+    generates with a PagedCache; every other model goes through transformers' own code."""
+
+    def _prepare_cache_for_generation(
+        self: nn.Module,
+        generation_config: Any,
+        model_kwargs: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        if getattr(self.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+            return original(self, generation_config, model_kwargs, *args, **kwargs)
+        pa = paged_attention_of(self, create=True)
+        impl = generation_config.cache_implementation
+        cache = model_kwargs.get("past_key_values")
+        if cache is not None:
+            if impl is not None:
+                raise ValueError(
+                    "pass either cache_implementation or past_key_values to generate, not both"
+                )
+            adopt_cache(cache, pa)
+            cache._is_user_defined = True
+            return None
+        if generation_config.use_cache is False:
+            return None
+        max_cache_length = kwargs.get("max_cache_length", args[-1] if args else None)
+        if impl in (None, "dynamic"):
+            model_kwargs["past_key_values"] = PagedCache(pa)
+        elif impl == "static":
+            longest = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0)
+            model_kwargs["past_key_values"] = PagedCache(pa, max_cache_len=longest)
+        else:
+            raise ValueError(
+                f"cache_implementation={impl!r} cannot hold a paged_ops model's keys: they live in "
+                "paged_ops' block pool. Use None/'dynamic' (blocks as the rows grow) or 'static' "
+                "(compileable: transformers compiles the decode step)"
+            )
+        return None
+
+    _prepare_cache_for_generation.__wrapped__ = original  # type: ignore[attr-defined]
+    return _prepare_cache_for_generation
 
 
-def _check_supported(model: nn.Module) -> list[nn.Module]:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "set_attn_implementation"):
-        raise ValueError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
-    model_type = getattr(config, "model_type", None)
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"model_type {model_type!r} is an encoder-decoder model")
-    if getattr(config, "kv_lora_rank", None) is not None:
-        raise ValueError(f"model_type {model_type!r} uses multi-head latent attention (MLA)")
-    if model_type not in _FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not in the table")
-    modules = _attention_modules(model)
-    head_dims = {int(m.head_dim) for m in modules}
-    if len(head_dims) != 1:
-        raise ValueError(f"layers have different head sizes {sorted(head_dims)}")
-    if not all(getattr(m, "is_causal", True) for m in modules):
-        raise ValueError(f"model_type {model_type!r} is configured for bidirectional attention")
-    if hasattr(model, _STATE_ATTR):
-        raise ValueError("the model is already patched; call unpatch_model(model) first")
-    return modules
-
-
-def _layer_config(module: nn.Module, config: Any, window_rule: str) -> LayerConfig:
-    """The paged-attention constants of one HF attention module."""
-    if window_rule == "layer":
-        window = getattr(module, "sliding_window", None)
-    elif window_rule == "config":
-        window = getattr(config, "sliding_window", None)
-    else:
-        window = None
-    softcap = getattr(module, "attn_logit_softcapping", None)
-    return LayerConfig(
-        scale=float(module.scaling),
-        sliding_window=int(window) if window else None,
-        softcap=float(softcap) if softcap else None,
-        has_sinks=isinstance(getattr(module, "sinks", None), torch.Tensor),
-        causal=True,
-    )
-
-
-def _check_call(cfg: LayerConfig, layer_idx: int, kwargs: dict[str, Any], has_sinks: bool) -> None:
-    """Trace-time check: the per-call constants transformers passes agree with the layer config.
-
-    A constant the model does not pass (e.g. Qwen2-MoE applies its window through the mask only)
-    is not checked; the value read at patch time stands.
-    """
-    window = kwargs.get("sliding_window", cfg.sliding_window) or None
-    softcap = kwargs.get("softcap", cfg.softcap) or None
-    scaling = kwargs.get("scaling")
-    if (
-        window != cfg.sliding_window
-        or softcap != cfg.softcap
-        or has_sinks != cfg.has_sinks
-        or (scaling is not None and abs(scaling - cfg.scale) > 1e-6 * abs(cfg.scale))
-    ):
-        raise ValueError(
-            f"layer {layer_idx}: the model called attention with sliding_window={window}, "
-            f"softcap={softcap}, scaling={scaling}, sinks={has_sinks}, but patch_model read {cfg}"
-        )
-
-
-def paged_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """The ``"paged_ops"`` attention function transformers calls from each attention layer.
-
-    Args:
-        query: ``[1, Hq, T, D]``; key, value: ``[1, Hkv, T, D]`` (after RoPE and q/k norms), the
-            packed tokens of every sequence of the step prepared by ``pa.prepare``.
-        attention_mask: ignored (``None`` for a patched model); the metadata carries the masking.
-        kwargs: ``sliding_window``, ``softcap``, ``s_aux`` (gpt-oss sinks ``[Hq]``) as the model
-            passes them; checked against the layer config read by :func:`patch_model`.
-    Returns:
-        ``([1, T, Hq, D], None)``.
-    """
-    pa: PagedAttention | None = module.__dict__.get(_PA_ATTR)
-    if pa is None:
-        raise RuntimeError(
-            f"{type(module).__name__} has no PagedAttention attached: run patch_model(model) on "
-            f"this model, or set its attention implementation away from {ATTN_IMPLEMENTATION!r}"
-        )
-    if query.shape[0] != 1:
-        raise ValueError(f"paged attention takes packed inputs of batch 1, got {query.shape[0]}")
-    if dropout:
-        raise ValueError(f"attention dropout {dropout} is not supported (call model.eval())")
-    layer_idx = module.layer_idx
-    sinks = kwargs.get("s_aux")
-    _check_call(pa.layers[layer_idx], layer_idx, {"scaling": scaling, **kwargs}, sinks is not None)
-    q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
-    k = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
-    v = value[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
-    if sinks is not None:
-        sinks = sinks.to(torch.float32)  # [Hq]
-    out = pa(layer_idx, q, k, v, sinks=sinks)  # [T, Hq, D]
-    return out[None], None  # [1, T, Hq, D]
-
-
-def _register() -> None:
+def register() -> None:
+    """Register ``"paged_ops"`` with transformers (done when this module is imported)."""
     from transformers import AttentionInterface
+    from transformers.generation.utils import GenerationMixin
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_mask)
+    current = GenerationMixin._prepare_cache_for_generation
+    if not hasattr(current, "__wrapped__"):
+        GenerationMixin._prepare_cache_for_generation = _paged_cache_for_generation(current)
 
 
 def _refuse(reason: str, strict: bool) -> None:
-    message = (
-        f"paged_ops cannot serve this model: {reason}. Supported model types: "
-        f"{', '.join(SUPPORTED_MODEL_TYPES)} (decoder-only, causal, one head size, no MLA)."
-    )
+    message = refusal(reason)
     if strict:
         raise ValueError(message)
     warnings.warn(message + " The model was left unchanged.", stacklevel=3)
@@ -235,54 +144,48 @@ def patch_model(
             ``max_model_len`` tokens each.
         max_num_seqs: most sequences per step.
         max_model_len: longest sequence; default ``min(config.max_position_embeddings, 4096)``.
-        max_num_tokens: most tokens per step; default ``max(max_model_len, max_num_seqs)``.
+        max_num_tokens: most tokens per packed step; default ``max(max_model_len, max_num_seqs)``.
         strict: raise ``ValueError`` for a model that cannot be served; with ``False``, warn and
             return ``None``, leaving the model untouched.
 
-    The cache has the model's parameter dtype and device. Run the model with packed inputs
-    (``input_ids``/``position_ids`` ``[1, T]``, ``use_cache=False``) after ``pa.prepare``; see
-    :func:`forward_step`.
+    The cache has the model's parameter dtype and device (patch after ``.to(device)``). The model
+    keeps working as a transformers model (``model(...)``, ``generate``); it patches a private
+    copy of the config, so other models built from the same config object are untouched and
+    ``save_pretrained`` writes the config as it was.
 
     Example:
         >>> pa = patch_model(model, max_model_len=1024)
+        >>> model.generate(**tok(["Hi", "Hello there"], padding=True, return_tensors="pt"))
         >>> logits = forward_step(model, pa, {"a": [1, 2, 3], "b": [4, 5]})  # [2, vocab]
     """
     try:
-        modules = _check_supported(model)
+        modules = check_supported(model)
+        binding = binding_of(model)
+        if binding is not None and binding.original_config is not None:
+            raise ValueError("the model is already patched; call unpatch_model(model) first")
     except ValueError as err:
         _refuse(str(err), strict)
         return None
-    config = model.config
-    window_rule = _FAMILIES[config.model_type]
-    layers = [_layer_config(m, config, window_rule) for m in modules]
-    if max_model_len is None:
-        max_model_len = min(
-            getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN,
-            DEFAULT_MAX_MODEL_LEN,
-        )
-    if num_blocks is None:
-        num_blocks = blocks_needed(max_model_len, block_size) * min(
-            max_num_seqs, DEFAULT_CACHE_SEQS
-        )
     param = next(model.parameters())
-    pa = PagedAttention(
-        num_layers=len(modules),
-        num_q_heads=config.num_attention_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=int(modules[0].head_dim),
-        layers=layers,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_tokens=max_num_tokens,
-        max_model_len=max_model_len,
+    pa = new_paged_attention(
+        modules,
+        model.config,
         dtype=param.dtype,
         device=param.device,
         backend=backend,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        max_num_tokens=max_num_tokens,
     )
-    _register()
+    if binding is not None:
+        unbind(
+            model
+        )  # loaded with attn_implementation="paged_ops": explicit sizes replace defaults
+    config = model.config
     # transformers shares one config object between every model built from it: patch a private
-    # copy, so that another model built from the same config keeps its attention and its cache.
+    # copy, so that another model built from the same config keeps its attention.
     private = copy.deepcopy(config)
     _swap_config(model, config, private)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -290,11 +193,7 @@ def patch_model(
         _swap_config(model, private, config)
         _refuse("its attention implementation cannot be switched at run time", strict)
         return None
-    for m in modules:
-        object.__setattr__(m, _PA_ATTR, pa)  # not a submodule: state dict and .to() unchanged
-    # The KV cache is ours: a forward that forgets use_cache=False must not also grow a DynamicCache.
-    private.use_cache = False
-    object.__setattr__(model, _STATE_ATTR, (config, pa, private))
+    bind(model, pa, modules, config)
     return pa
 
 
@@ -306,21 +205,33 @@ def _swap_config(model: nn.Module, old: object, new: object) -> None:
 
 
 def unpatch_model(model: nn.Module) -> None:
-    """Undo :func:`patch_model`: restore the original attention implementation, drop the cache."""
-    state = model.__dict__.get(_STATE_ATTR)
-    if state is None:
+    """Undo :func:`patch_model`: restore the original config and attention, drop the cache.
+
+    An ``LLM`` built on the model refuses to run afterwards. A model loaded with
+    ``attn_implementation="paged_ops"`` has no other attention to go back to:
+    ``model.set_attn_implementation("sdpa")`` switches it.
+    """
+    binding = binding_of(model)
+    if binding is None:
         raise ValueError("the model is not patched by paged_ops")
-    shared, _, private = state
-    _swap_config(model, private, shared)  # the config as it was, never modified
-    for m in _attention_modules(model):
-        m.__dict__.pop(_PA_ATTR, None)
-    del model.__dict__[_STATE_ATTR]
+    if binding.original_config is None:
+        raise ValueError(
+            "the model was loaded with attn_implementation='paged_ops', not patched; switch it "
+            "with model.set_attn_implementation('sdpa') (or 'eager')"
+        )
+    unbind(model)
+    _swap_config(model, model.config, binding.original_config)  # the config as it was
 
 
-def paged_attention_of(model: nn.Module) -> PagedAttention | None:
-    """The PagedAttention :func:`patch_model` attached to ``model``, or ``None`` if unpatched."""
-    state = model.__dict__.get(_STATE_ATTR)
-    return None if state is None else state[1]
+def sizes_fixed(model: nn.Module) -> bool:
+    """Whether the model's PagedAttention sizes are settled: chosen by ``patch_model``, or in use
+    (a model loaded with ``attn_implementation="paged_ops"`` whose caches hold blocks). Otherwise
+    ``patch_model`` may replace its default-sized one."""
+    binding = binding_of(model)
+    if binding is None:
+        return False
+    pa = binding.pa
+    return binding.original_config is not None or pa.allocator.num_free < pa.kv_cache.num_blocks
 
 
 def forward_step(
@@ -354,3 +265,6 @@ def forward_step(
         logits_to_keep=md.logits_indices,  # [S_padded]
     )
     return out.logits[0, : md.num_seqs]  # [S, vocab]
+
+
+register()

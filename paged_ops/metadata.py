@@ -21,11 +21,19 @@ from paged_ops.cache import blocks_needed
 
 @dataclass(frozen=True, slots=True)
 class SequenceSlice:
-    """One sequence's part of a step: its blocks, tokens already cached, and new tokens."""
+    """One sequence's part of a step: its blocks, tokens already cached, and new tokens.
+
+    ``num_pad_before`` query tokens of padding come first in the sequence's query range (slot
+    ``-1``, nothing written): the rows of a Hugging Face batch with left padding. Their positions
+    ``seq_len - q_len + i`` fall before the new tokens, so they see at most the cached context (no
+    key at all for a fresh sequence, which reads zeros). ``block_ids`` may hold more blocks than
+    the sequence uses yet (a reservation); every given block goes into the block table.
+    """
 
     block_ids: Sequence[int]
     context_len: int
     num_new_tokens: int
+    num_pad_before: int = 0
 
 
 @dataclass(slots=True)
@@ -36,8 +44,10 @@ class AttentionMetadata:
         slot_mapping: ``[T]`` int64; positions: ``[T]`` int64 (absolute position of each token);
         cu_seqlens_q: ``[S+1]`` int32; seq_lens: ``[S]`` int32; block_table: ``[S, max_blocks]``
         int32; logits_indices: ``[S]`` int64, index in ``[0, T)`` of each sequence's last token.
-    Host facts (never read inside a compiled forward): real token and sequence counts, the largest
-    query and KV lengths, and CPU copies of the index tensors for backends that plan on the host.
+    Host facts (never read inside a compiled forward): token (incl. leading padding of sequences)
+    and sequence counts, the largest query and KV lengths, and CPU copies of the index tensors for
+    backends that plan on the host (``None`` for a step computed on the device, which such
+    backends cannot serve).
     """
 
     slot_mapping: torch.Tensor
@@ -50,9 +60,9 @@ class AttentionMetadata:
     num_seqs: int
     max_query_len: int
     max_seq_len: int
-    host_cu_seqlens_q: torch.Tensor
-    host_seq_lens: torch.Tensor
-    host_block_table: torch.Tensor
+    host_cu_seqlens_q: torch.Tensor | None
+    host_seq_lens: torch.Tensor | None
+    host_block_table: torch.Tensor | None
 
     @property
     def padded_num_tokens(self) -> int:
@@ -143,12 +153,12 @@ class MetadataBuilder:
         ``num_tokens``/``num_seqs`` pad the step (e.g. to a CUDA-graph bucket); by default the step
         is exactly as large as the batch. Raises ``ValueError`` for a batch that does not fit.
         """
-        real_tokens = sum(s.num_new_tokens for s in seqs)
-        num_tokens = real_tokens if num_tokens is None else num_tokens
+        step_tokens = sum(s.num_new_tokens + s.num_pad_before for s in seqs)
+        num_tokens = step_tokens if num_tokens is None else num_tokens
         num_seqs = len(seqs) if num_seqs is None else num_seqs
-        if not real_tokens <= num_tokens <= self.max_num_tokens:
+        if not step_tokens <= num_tokens <= self.max_num_tokens:
             raise ValueError(
-                f"step has {real_tokens} tokens padded to {num_tokens}; need real <= padded <= "
+                f"step has {step_tokens} tokens padded to {num_tokens}; need real <= padded <= "
                 f"max_num_tokens={self.max_num_tokens}"
             )
         if not len(seqs) <= num_seqs <= self.max_num_seqs:
@@ -161,9 +171,14 @@ class MetadataBuilder:
         cu, lens, last, rows = [0], [], [], []
         width, bs = self.max_blocks_per_seq, self.block_size
         for r, seq in enumerate(seqs):
-            n, ctx, blocks = seq.num_new_tokens, seq.context_len, seq.block_ids
+            n, ctx, blocks, pad = (
+                seq.num_new_tokens,
+                seq.context_len,
+                seq.block_ids,
+                seq.num_pad_before,
+            )
             total = ctx + n
-            if n < 0 or ctx < 0:
+            if n < 0 or ctx < 0 or pad < 0:
                 raise ValueError(f"negative lengths in {seq}")
             need = blocks_needed(total, bs)
             if need > min(len(blocks), width):
@@ -171,19 +186,21 @@ class MetadataBuilder:
                     f"sequence of {total} tokens needs {need} blocks, has {len(blocks)} "
                     f"(table width {width})"
                 )
-            used = list(blocks[:need])
+            used = list(blocks[:width])
             old = self._rows[r]
             keep = len(old) if used[: len(old)] == old else 0  # row prefix already in place
             new = used[keep:]
             if new and (min(new) < 0 or max(new) >= self.num_blocks):
                 raise ValueError(f"block ids {new} out of range [0, {self.num_blocks})")
             rows.append((used, keep))
+            slots.extend([-1] * pad)
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(ctx, total))
+            positions.extend([0] * pad)
             positions.extend(range(ctx, total))
-            cu.append(cu[-1] + n)
+            cu.append(cu[-1] + pad + n)
             lens.append(total)
             last.append(max(cu[-1] - 1, 0))
-        pad_tokens, pad_seqs = num_tokens - real_tokens, num_seqs - len(seqs)
+        pad_tokens, pad_seqs = num_tokens - step_tokens, num_seqs - len(seqs)
         slots.extend([-1] * pad_tokens)
         positions.extend([0] * pad_tokens)
         cu.extend([cu[-1]] * pad_seqs)
@@ -218,11 +235,73 @@ class MetadataBuilder:
             seq_lens=dev["seq_lens"][:num_seqs],
             block_table=dev["block_table"][:num_seqs],
             logits_indices=dev["logits_indices"][:num_seqs],
-            num_tokens=real_tokens,
+            num_tokens=step_tokens,
             num_seqs=len(seqs),
-            max_query_len=max((s.num_new_tokens for s in seqs), default=0),
+            max_query_len=max((s.num_new_tokens + s.num_pad_before for s in seqs), default=0),
             max_seq_len=max(lens, default=0),
             host_cu_seqlens_q=host["cu_seqlens_q"][: num_seqs + 1],
             host_seq_lens=host["seq_lens"][:num_seqs],
             host_block_table=host["block_table"][:num_seqs],
         )
+
+    def device_views(self) -> dict[str, torch.Tensor]:
+        """The persistent device tensors every step's metadata views (fixed addresses)."""
+        return dict(self._dev)
+
+    def decode_step(
+        self,
+        num_seqs: int,
+        capacity: torch.Tensor,
+        new_token_mask: torch.Tensor | None = None,
+    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """One decode token per sequence after the last step, computed on the device alone.
+
+        For a decode step the host cannot prepare (a compiled forward that transformers calls with
+        no host hook in between): it continues the sequences of the last :meth:`build`, in the same
+        order, from the device buffers (no host sync, so it traces and graph-captures). Nothing is
+        mutated; pass the returned lengths to :meth:`commit_decode` once per step.
+
+        Args:
+            num_seqs: S, the sequences of the last build.
+            capacity: ``[S]`` int32, tokens each sequence's block-table row can hold.
+            new_token_mask: ``[S]``, 0 where the new token is padding (not written, not counted);
+                default all real.
+        Returns:
+            the step's metadata (T = S), the new KV lengths ``[S]`` int32, and ``[S]`` bool: whether
+            the token fitted the row's capacity (a token that does not fit is not written).
+        """
+        bs = self.block_size
+        table = self._dev["block_table"][:num_seqs]  # [S, W]
+        lens = self._dev["seq_lens"][:num_seqs]  # [S] KV length before this step
+        pos = lens.long()  # [S] position of each new token
+        fits = pos < capacity
+        keep = fits if new_token_mask is None else fits & new_token_mask.bool()
+        index = (pos // bs).clamp(max=table.shape[1] - 1)[:, None]  # [S, 1]
+        block = table.gather(1, index)[:, 0].long()
+        slots = torch.where(keep, block * bs + pos % bs, torch.full_like(pos, -1))
+        new_lens = lens + keep.to(lens.dtype)
+        rows = torch.arange(num_seqs + 1, dtype=torch.int32, device=self.device)
+        md = AttentionMetadata(
+            slot_mapping=slots,
+            positions=pos,
+            cu_seqlens_q=rows,
+            seq_lens=new_lens,
+            block_table=table,
+            logits_indices=rows[:num_seqs].long(),
+            num_tokens=num_seqs,
+            num_seqs=num_seqs,
+            max_query_len=1,
+            max_seq_len=self.max_blocks_per_seq * bs,
+            host_cu_seqlens_q=None,
+            host_seq_lens=None,
+            host_block_table=None,
+        )
+        return md, new_lens, fits
+
+    def commit_decode(self, new_lens: torch.Tensor) -> None:
+        """Store the KV lengths after a :meth:`decode_step` (in place: the buffers stay put)."""
+        self._dev["seq_lens"][: new_lens.shape[0]].copy_(new_lens)
+
+    def host_seq_lens(self, num_seqs: int) -> list[int]:
+        """The device's KV lengths of the first ``num_seqs`` sequences (a host sync)."""
+        return self._dev["seq_lens"][:num_seqs].tolist()

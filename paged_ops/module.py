@@ -16,6 +16,8 @@ from paged_ops.backends import LayerSpec, get_backend, resolve_backend
 from paged_ops.cache import BlockAllocator, KVCache, OutOfBlocksError, blocks_needed
 from paged_ops.metadata import AttentionMetadata, MetadataBuilder, SequenceSlice
 
+PACKED_STEP = "packed"  # ``pending_step`` after prepare()/prepare_slices(): packed [1, T] inputs
+
 
 @dataclass(frozen=True)
 class LayerConfig:
@@ -108,6 +110,10 @@ class PagedAttention(nn.Module):
             device=self.kv_cache.device,
         )
         self.metadata: AttentionMetadata | None = None
+        # What the next forward runs: PACKED_STEP after prepare()/prepare_slices(), or a key the
+        # transformers integration sets for a [B, T] batch; the first layer's forward clears it.
+        self.pending_step: Hashable | None = None
+        self.step_owner: object | None = None  # keeps what prepared the step alive until the next
         self._sequences: dict[Hashable, _SequenceState] = {}
         self._resolve_backends(backend)
 
@@ -192,10 +198,26 @@ class PagedAttention(nn.Module):
         num_seqs: int | None = None,
     ) -> AttentionMetadata:
         """Build the step's metadata from explicit block lists (callers that manage blocks)."""
-        self.metadata = self.builder.build(slices, num_tokens=num_tokens, num_seqs=num_seqs)
+        self.step_owner = None
+        md = self.builder.build(slices, num_tokens=num_tokens, num_seqs=num_seqs)
+        return self.use_step(md, PACKED_STEP)
+
+    def use_step(
+        self, metadata: AttentionMetadata, key: Hashable, owner: object | None = None
+    ) -> AttentionMetadata:
+        """Make ``metadata`` (built by any MetadataBuilder) the step the next forward runs.
+
+        Plans the host-planned backends for it. ``key`` identifies the step (``pending_step``);
+        ``owner`` is kept alive until the next step (e.g. the blocks of a one-forward batch).
+        """
         for planner in self.planners:
-            planner.plan(self.metadata)
-        return self.metadata
+            planner.plan(metadata)
+        self.metadata, self.pending_step, self.step_owner = metadata, key, owner
+        return metadata
+
+    def clear_step(self) -> None:
+        """Forget the prepared step (its owner too): the next forward must prepare its own."""
+        self.pending_step, self.step_owner = None, None
 
     def release(self, seq_id: Hashable) -> None:
         """Free a finished sequence's blocks."""
@@ -214,16 +236,18 @@ class PagedAttention(nn.Module):
         value: torch.Tensor,
         sinks: torch.Tensor | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        metadata: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V for layer ``layer_idx`` and attend over the cache.
 
         Args:
             query: ``[T, Hq, D]``; key, value: ``[T, Hkv, D]`` (after RoPE), T = padded step tokens.
             sinks: ``[Hq]`` float32 when the layer was configured with ``has_sinks``.
+            metadata: the step (default: the one ``prepare`` built).
         Returns:
             ``[T, Hq, D]``.
         """
-        md = self.metadata
+        md = self.metadata if metadata is None else metadata
         if md is None:
             raise RuntimeError("PagedAttention.prepare() must run before the forward")
         cfg = self.layers[layer_idx]

@@ -62,9 +62,13 @@ def test_block_id_out_of_range(batch):
         call(batch, block_table=table)
 
 
-def test_seq_len_shorter_than_query(batch):
-    with pytest.raises(ValueError, match="seq_len must be >= its query length"):
-        call(batch, seq_lens=torch.tensor([1, 3], dtype=torch.int32))
+def test_seq_len_shorter_than_query_makes_leading_queries_padding(batch):
+    # Left padding: the first q_len - seq_len queries of a sequence see no key and read zeros.
+    seq_lens = batch.seq_lens.clone()
+    seq_lens[0] = 0
+    out = call(batch, seq_lens=seq_lens)
+    q_end = int(batch.cu_seqlens_q[1])
+    assert q_end > 0 and torch.equal(out[:q_end], torch.zeros_like(out[:q_end]))
 
 
 def test_bad_feature_arguments(batch):

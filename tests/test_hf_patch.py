@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_models import build_model, make_prompts, paged_greedy  # noqa: E402
+from paged_ops.integrations.hf_attention import PACKED  # noqa: E402
 from paged_ops.integrations.transformers import (  # noqa: E402
     SUPPORTED_MODEL_TYPES,
     forward_step,
@@ -122,7 +123,7 @@ def test_unpatch_restores_eager_outputs_and_patch_works_again() -> None:
     ids = torch.tensor([PROMPTS[1]])
     pa = patch_model(model, backend="reference", max_model_len=64)
     forward_step(model, pa, {0: PROMPTS[1]})
-    assert not model.config.use_cache
+    assert model.config.use_cache  # the user's setting stays (generate uses a PagedCache)
     unpatch_model(model)
     assert model.config._attn_implementation == "eager" and model.config.use_cache
     assert not any("_paged_ops_attention" in vars(m) for m in model.modules())
@@ -157,12 +158,19 @@ def test_two_patched_models_stay_apart() -> None:
             assert generated[name][i] == _eager_greedy(twin, prompt, steps), (name, i)
 
 
-def test_attention_function_on_an_unpatched_model_raises() -> None:
+@torch.no_grad()
+def test_switching_an_unpatched_model_to_paged_ops_attaches_a_default_cache() -> None:
     model = build_model("llama")
-    patch_model(copy.deepcopy(model), backend="reference", max_model_len=64)  # registers the fn
+    twin = copy.deepcopy(model)
     model.set_attn_implementation("paged_ops")
-    with pytest.raises(RuntimeError, match="no PagedAttention attached"):
-        model(torch.tensor([PROMPTS[0]]), use_cache=False)
+    assert paged_attention_of(model) is None  # nothing made until first use
+    ids = torch.tensor([PROMPTS[0]])
+    torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=1e-5, atol=1e-5)
+    pa = paged_attention_of(model)
+    assert isinstance(pa, PagedAttention) and pa.max_model_len == 256  # from the config
+    assert all(
+        vars(m)["_paged_ops_attention"] is pa for m in model.modules() if hasattr(m, "q_proj")
+    )
 
 
 def test_call_time_parameters_that_disagree_with_the_patch_raise() -> None:
@@ -188,7 +196,7 @@ def test_bfloat16_model_gets_a_bfloat16_cache_and_close_logits() -> None:
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "mistral"])
 @torch.no_grad()
-def test_no_attention_mask_is_built(family: str) -> None:
+def test_packed_steps_build_no_attention_mask(family: str) -> None:
     import paged_ops.integrations.transformers as hf
     from transformers import AttentionInterface
 
@@ -206,7 +214,7 @@ def test_no_attention_mask_is_built(family: str) -> None:
     finally:
         AttentionInterface.register(hf.ATTN_IMPLEMENTATION, hf.paged_attention_forward)
     assert len(masks) == model.config.num_hidden_layers
-    assert all(m is None for m in masks)
+    assert all(m is PACKED for m in masks)  # the mask function only checked the prepared step
 
 
 @torch.no_grad()

@@ -79,18 +79,56 @@ def _profile_num_blocks(
     return int(budget // per_block)
 
 
+def _check_sizes(pa: PagedAttention, given: dict[str, Any]) -> None:
+    """ValueError listing every explicit LLM argument that disagrees with an already patched
+    model's PagedAttention (they would otherwise be silently ignored)."""
+    have = {
+        "block_size": pa.block_size,
+        "max_num_seqs": pa.builder.max_num_seqs,
+        "max_model_len": pa.max_model_len,
+        "num_blocks": pa.kv_cache.num_blocks,
+        "max_num_tokens": pa.builder.max_num_tokens,
+    }
+    conflicts = [
+        f"{k}={v!r} (the patched model has {have[k]!r})"
+        for k, v in given.items()
+        if k in have and v != have[k]
+    ]
+    backend = given.get("backend")
+    if backend not in (None, "auto") and set(pa.layer_backends) != {backend}:
+        conflicts.append(
+            f"backend={backend!r} (the patched model runs {sorted(set(pa.layer_backends))})"
+        )
+    if "gpu_memory_utilization" in given:
+        conflicts.append(
+            f"gpu_memory_utilization={given['gpu_memory_utilization']!r} (the patched model's "
+            f"cache is already allocated: {pa.kv_cache.num_blocks} blocks)"
+        )
+    if conflicts:
+        raise ValueError(
+            "LLM(...) got sizes that conflict with how the model was patched: "
+            + "; ".join(conflicts)
+            + ". Leave them out to use the model's PagedAttention, or unpatch_model(model) and "
+            "let LLM patch it"
+        )
+
+
 class LLM:
     """Continuous-batching generation from a Hugging Face causal LM with paged attention.
 
     Args:
         model: a transformers causal LM (patched here with ``patch_model`` unless it already is).
         tokenizer: optional; needed for text prompts and ``.text`` in the outputs.
-        backend: attention backend ("auto", "triton", "flashinfer", "reference").
-        block_size: tokens per KV block.
-        max_num_seqs: most sequences per step (also the largest CUDA-graph bucket).
+        backend: attention backend ("auto", "triton", "flashinfer", "reference"); default "auto".
+        block_size: tokens per KV block; default 16.
+        max_num_seqs: most sequences per step (also the largest CUDA-graph bucket); default 256.
         max_model_len: longest sequence (prompt + generated); default from the model, capped.
         num_blocks: KV blocks; default from free GPU memory after a warm-up forward times
-            ``gpu_memory_utilization`` on CUDA, a 1 GiB budget on CPU.
+            ``gpu_memory_utilization`` (default 0.9) on CUDA, a 1 GiB budget on CPU.
+
+        For a model the caller patched (``patch_model``), the sizing arguments above come from
+        its PagedAttention: leave them out, or give the same values (a conflicting one raises
+        ``ValueError`` naming it).
         compile: compile the forward with ``torch.compile(fullgraph=True)``.
         cuda_graphs: replay decode steps from CUDA graphs (CUDA only).
         prefix_caching: share KV blocks of common prompt prefixes.
@@ -116,12 +154,12 @@ class LLM:
         model: nn.Module,
         tokenizer: Any | None = None,
         *,
-        backend: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
+        backend: str | None = None,
+        block_size: int | None = None,
+        max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         num_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float | None = None,
         compile: bool = True,
         cuda_graphs: bool = True,
         prefix_caching: bool = True,
@@ -131,23 +169,23 @@ class LLM:
     ) -> None:
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
-        if not 0.0 < gpu_memory_utilization <= 1.0:
+        if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
             )
         t0 = time.perf_counter()
         model.eval()
         self.model, self.tokenizer = model, tokenizer
-        self.pa = self._patched(
-            model,
-            backend,
-            block_size,
-            max_num_seqs,
-            max_model_len,
-            num_blocks,
-            gpu_memory_utilization,
-            max(max_num_tokens or 2048, max_num_seqs),
+        sizes = dict(
+            backend=backend,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            num_blocks=num_blocks,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_tokens=max_num_tokens,
         )
+        self.pa = self._patched(model, {k: v for k, v in sizes.items() if v is not None})
         self.vocab_size = int(model.config.vocab_size)
         gen_cfg = getattr(model, "generation_config", None)
         self.eos_ids = _token_ids(getattr(gen_cfg, "eos_token_id", None)) or _token_ids(
@@ -172,27 +210,30 @@ class LLM:
             fuse_projections=fuse_projections,
         )
         self.runner.warm_up()
+        self.pa.clear_step()
         self.warmup_s = time.perf_counter() - t0
         self.last_metrics = GenerationMetrics()
         self._next_id = 0
         self._rng = random.Random()
 
     @staticmethod
-    def _patched(
-        model: nn.Module,
-        backend: str,
-        block_size: int,
-        max_num_seqs: int,
-        max_model_len: int | None,
-        num_blocks: int | None,
-        util: float,
-        max_num_tokens: int,
-    ) -> PagedAttention:
+    def _patched(model: nn.Module, given: dict[str, Any]) -> PagedAttention:
+        """The model's PagedAttention: the caller's if they patched it (``given`` must agree with
+        it), else patched here with ``given`` sizes and defaults."""
         from paged_ops.integrations import transformers as hf
 
-        patched = hf.paged_attention_of(model)
-        if patched is not None:
-            return patched  # patched by the caller: use its cache as configured
+        fixed = hf.paged_attention_of(model)
+        if fixed is not None and hf.sizes_fixed(model):
+            _check_sizes(fixed, given)
+            return fixed  # patched by the caller: use its cache as configured
+        backend = given.get("backend", "auto")
+        block_size = given.get("block_size", 16)
+        max_num_seqs = given.get("max_num_seqs", 256)
+        max_model_len = given.get("max_model_len")
+        num_blocks = given.get("num_blocks")
+        max_num_tokens = given.get("max_num_tokens")
+        gpu_memory_utilization = given.get("gpu_memory_utilization", 0.9)
+        max_num_tokens = max(max_num_tokens or 2048, max_num_seqs)
         if max_model_len is None:
             max_pos = getattr(model.config, "max_position_embeddings", None)
             max_model_len = min(max_pos or hf.DEFAULT_MAX_MODEL_LEN, hf.DEFAULT_MAX_MODEL_LEN)
@@ -203,7 +244,7 @@ class LLM:
                 block_size=block_size,
                 max_num_tokens=max_num_tokens,
                 max_num_seqs=max_num_seqs,
-                util=util,
+                util=gpu_memory_utilization,
             )
         elif num_blocks is None:
             cfg, dtype = model.config, next(model.parameters()).dtype
@@ -281,6 +322,13 @@ class LLM:
     def _run(self, seqs: list[Seq], metrics: GenerationMetrics) -> Iterator[list[Seq]]:
         """Step until every sequence has finished; yields the sequences that advanced each step."""
         sched = self.scheduler
+        from paged_ops.integrations.transformers import paged_attention_of
+
+        if paged_attention_of(self.model) is not self.pa:
+            raise RuntimeError(
+                "the model no longer runs this LLM's paged attention (unpatch_model or a new "
+                "patch_model since the LLM was built): build a new LLM for it"
+            )
         if sched.has_work():
             raise RuntimeError(
                 "another generate/stream of this LLM is still running; finish or close it first"
@@ -309,6 +357,7 @@ class LLM:
                 launched = following
         finally:
             sched.abort_all()  # a stream closed early leaves nothing behind
+            self.pa.clear_step()  # graph replays leave the last packed step armed
             metrics.num_preemptions = sched.num_preemptions - preempted0
             metrics.num_cached_tokens = (sched.num_cached_blocks - cached0) * self.pa.block_size
 
