@@ -9,6 +9,11 @@ EOS ignored, greedy. Systems:
 - ``hf_static_compile``: ``model.generate(..., cache_implementation="static")``, which compiles the
   decode forward (transformers' own recipe).
 - ``hf_generate_batch``: transformers' continuous batching, ``model.generate_batch``.
+- ``hf_native`` (its own workload: ``--native-batches``, ragged prompts): the *same* call,
+  ``model.generate(ids, attention_mask=mask, cache_implementation="static")`` with transformers'
+  compiled decode, first on the plain model (its StaticCache), then after ``patch_model`` (a
+  PagedCache whose rows reserve only their real tokens). Prints tok/s and the KV memory each cache
+  holds, and where the greedy outputs first diverge.
 
 tokens/s = generated tokens / wall time of a warm call (prefill included). "warm-up" is the time
 before that call: model setup plus a first call (compiles, graph captures, autotuning).
@@ -30,7 +35,7 @@ from collections.abc import Callable
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-SYSTEMS = ("paged_ops", "hf_static_compile", "hf_generate_batch", "hf_eager")
+SYSTEMS = ("paged_ops", "hf_static_compile", "hf_generate_batch", "hf_eager", "hf_native")
 
 
 def llama_1b_config(num_layers: int = 16):
@@ -207,6 +212,77 @@ def run_hf_generate_batch(cfg, batches, prompt_len, new_tokens, args):
     return rows
 
 
+def ragged_prompts(batch: int, longest: int, vocab: int) -> list[list[int]]:
+    """``batch`` prompts from ``longest / batch`` to ``longest`` tokens (one prompt: ``longest``)."""
+    g = torch.Generator().manual_seed(1000 + batch)
+    lengths = [max(1, longest * (i + 1) // batch) for i in range(batch)]
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def left_padded(ps: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in ps)
+    ids = torch.zeros(len(ps), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(ps):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids.to(DEVICE), mask.to(DEVICE)
+
+
+def kv_bytes_per_token(cfg) -> int:
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # bf16
+
+
+def run_hf_native(cfg, batches, prompt_len, new_tokens, args):
+    """The same ``generate`` call with transformers' static cache + compiled decode, then on the
+    patched model (PagedCache, compiled decode with the paged ops inside the graph)."""
+    from paged_ops.integrations.transformers import patch_model
+
+    model = build_model(cfg, DEVICE)
+    per_token = kv_bytes_per_token(cfg)
+    work = {b: left_padded(ragged_prompts(b, args.native_longest, cfg.vocab_size)) for b in batches}
+    rows, outputs = [], {}
+    for system in ("hf_static_compile", "paged_ops_generate"):
+        if system == "paged_ops_generate":
+            longest = args.native_longest + new_tokens
+            blocks = 2 * max(batches) * -(-longest // 16)
+            pa = patch_model(model, backend=args.backend, num_blocks=blocks, max_model_len=longest)
+        for b, (ids, mask) in work.items():
+
+            def call(ids=ids, mask=mask):
+                return model.generate(
+                    ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    do_sample=False, cache_implementation="static", return_dict_in_generate=True,
+                )  # fmt: skip
+
+            _, first = timed(lambda call=call: call().sequences.shape[0])  # compile, capture
+            sync()
+            t0 = time.perf_counter()
+            out = call()
+            sync()
+            n, dt = new_tokens * ids.shape[0], time.perf_counter() - t0
+            width = ids.shape[1]
+            if system == "paged_ops_generate":
+                held = pa.kv_cache.num_blocks - pa.allocator.num_free  # the output keeps its cache
+                kv = held * pa.block_size * per_token
+            else:
+                kv = ids.shape[0] * (width + new_tokens - 1) * per_token  # StaticCache tensors
+            outputs[(system, b)] = out.sequences[:, width:].cpu()
+            del out
+            rows.append(dict(system=system, batch=b, tokens=n, seconds=dt, tok_s=n / dt,
+                             warmup_s=first, kv_mib=kv / 2**20, prompt_lens=mask.sum(1).tolist()))  # fmt: skip
+            print(f"  {system} b={b}: {n / dt:,.0f} tok/s, KV {kv / 2**20:,.1f} MiB "
+                  f"(first call {first:.1f} s)", flush=True)  # fmt: skip
+            gc.collect()
+    for b in batches:
+        a, p = outputs[("hf_static_compile", b)], outputs[("paged_ops_generate", b)]
+        diverge = [next((i for i, (x, y) in enumerate(zip(ra, rp, strict=True)) if x != y), None)
+                   for ra, rp in zip(a.tolist(), p.tolist(), strict=True)]  # fmt: skip
+        print(f"  b={b}: first divergence per row (None = identical): {diverge}")
+        rows.append(dict(system="divergence", batch=b, first_divergence=diverge))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS))
@@ -222,6 +298,9 @@ def main() -> None:
                         help="smallest batch for generate_batch (10 tok/s at batch 1)")  # fmt: skip
     parser.add_argument("--profile", default="", help="paged_ops batches to profile, e.g. 1,64")
     parser.add_argument("--quick", action="store_true", help="64 new tokens, batches 1 and 64")
+    parser.add_argument("--native-batches", default="1,8", help="hf_native batch sizes")
+    parser.add_argument("--native-longest", type=int, default=512,
+                        help="hf_native: the longest ragged prompt (batch 1: its only prompt)")  # fmt: skip
     parser.add_argument("--out", help="write the results as JSON here (after every system)")
     args = parser.parse_args()
     if args.quick:
@@ -234,6 +313,7 @@ def main() -> None:
         "hf_eager": lambda: run_hf_generate(cfg, batches, args.prompt_len, args.new_tokens, args, False),
         "hf_static_compile": lambda: run_hf_generate(cfg, batches, args.prompt_len, args.new_tokens, args, True),
         "hf_generate_batch": lambda: run_hf_generate_batch(cfg, batches, args.prompt_len, args.new_tokens, args),
+        "hf_native": lambda: run_hf_native(cfg, [int(b) for b in args.native_batches.split(",")], args.prompt_len, args.new_tokens, args),
     }  # fmt: skip
     import transformers
 
@@ -265,6 +345,12 @@ def print_table(results: dict[str, object], batches: list[int]) -> None:
     for name, rows in results.items():
         if isinstance(rows, dict):
             print(f"{name:<20}  error: {rows['error'][:80]}")
+            continue
+        if name == "hf_native":
+            for r in rows:
+                if "tok_s" in r:
+                    print(f"  {r['system']:<20} b={r['batch']}: {r['tok_s']:>9,.0f} tok/s, "
+                          f"KV {r['kv_mib']:>8,.1f} MiB")  # fmt: skip
             continue
         by_b = {r["batch"]: r for r in rows}
         cells = "".join(

@@ -1,7 +1,12 @@
 """paged_ops: paged-KV-cache attention for Hugging Face causal LMs, compiled and graph-captured.
 
 ``import paged_ops`` needs only torch; triton, flashinfer and transformers load lazily where used.
+The Hugging Face entry points (``patch_model``, ``unpatch_model``, ``PagedCache``,
+``paged_attention_of``) import ``paged_ops.integrations.transformers`` on first access, which also
+registers ``attn_implementation="paged_ops"`` with transformers.
 """
+
+from typing import Any
 
 from paged_ops.backends import LayerSpec, available_backends
 from paged_ops.cache import BlockAllocator, KVCache, OutOfBlocksError, blocks_needed
@@ -30,3 +35,14 @@ __all__ = [
     "paged_attention",
     "write_kv",
 ]
+
+_HF_NAMES = ("PagedCache", "paged_attention_of", "patch_model", "unpatch_model")
+__all__ += list(_HF_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HF_NAMES:
+        from paged_ops.integrations import transformers as hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'paged_ops' has no attribute {name!r}")

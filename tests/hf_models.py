@@ -190,3 +190,31 @@ def paged_greedy(
     for i in ids:
         pa.release(i)
     return prefill_logits, generated
+
+
+def padded_batch(
+    prompts: Sequence[Sequence[int]], side: str = "left", pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` ``[B, T]`` with each prompt padded on ``side``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        cols = slice(width - len(p), width) if side == "left" else slice(0, len(p))
+        ids[i, cols] = torch.tensor(p)
+        mask[i, cols] = 1
+    return ids, mask
+
+
+class TokenLog:
+    """A transformers streamer that records what ``generate`` streams (``put`` / ``end``)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[torch.Tensor] = []
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.chunks.append(value.detach().cpu())
+
+    def end(self) -> None:
+        self.ended = True
