@@ -101,6 +101,42 @@ def make_batch(
     )
 
 
+def with_leading_padding(batch: PagedBatch, pads: list[int], seed: int = 0) -> PagedBatch:
+    """``batch`` with ``pads[s]`` padding queries before sequence ``s``'s tokens (slot ``-1``):
+    its query length grows, its KV length does not (left padding of a Hugging Face batch)."""
+    g = torch.Generator().manual_seed(seed)
+    starts = batch.cu_seqlens_q.tolist()
+    parts: dict[str, list[torch.Tensor]] = {"query": [], "new_key": [], "new_value": []}
+    slots, cu = [], [0]
+    for s, q_len in enumerate(batch.q_lens):
+        rows = slice(starts[s], starts[s] + q_len)
+        for name, parts_of in parts.items():
+            t = getattr(batch, name)
+            noise = torch.randn((pads[s], *t.shape[1:]), generator=g).to(t.dtype).to(t.device)
+            parts_of += [noise, t[rows]]
+        slots += [-1] * pads[s] + batch.slot_mapping[rows].tolist()
+        cu.append(cu[-1] + pads[s] + q_len)
+    tail = slice(starts[len(batch.q_lens)], None)  # padding tokens past every sequence
+    for name, parts_of in parts.items():
+        parts_of.append(getattr(batch, name)[tail])
+    slots += batch.slot_mapping[tail].tolist()
+    cu += [cu[-1]] * (len(starts) - 1 - len(batch.q_lens))
+    dev = batch.query.device
+    return PagedBatch(
+        query=torch.cat(parts["query"]),
+        new_key=torch.cat(parts["new_key"]),
+        new_value=torch.cat(parts["new_value"]),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        kv_cache=batch.kv_cache,
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+        seq_lens=batch.seq_lens,
+        block_table=batch.block_table,
+        keys=batch.keys,
+        values=batch.values,
+        q_lens=[q + p for q, p in zip(batch.q_lens, pads, strict=True)],
+    )
+
+
 def dense_attention_f64(
     q: torch.Tensor,  # [q_len, Hq, D]
     k: torch.Tensor,  # [kv_len, Hkv, D]
@@ -125,6 +161,9 @@ def dense_attention_f64(
             for j in range(kv_len)
             if (not causal or j <= p) and (window is None or j > p - window)
         ]
+        if not visible and sinks is None:
+            out[i] = 0.0  # a padding query before the sequence's tokens sees no key
+            continue
         idx = torch.tensor(visible, dtype=torch.long)
         for h in range(num_q_heads):
             kh, vh = k[idx, h // group], v[idx, h // group]  # [n, D]
@@ -133,7 +172,7 @@ def dense_attention_f64(
                 x = softcap * torch.tanh(x / softcap)
             if alibi_slopes is not None:
                 x = x + float(alibi_slopes[h]) * (idx.double() - p)
-            m = x.max()
+            m = x.max() if len(visible) else torch.tensor(float("-inf"), dtype=torch.float64)
             if sinks is not None:
                 m = torch.maximum(m, sinks[h].double().cpu())
             w = torch.exp(x - m)

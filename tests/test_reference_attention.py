@@ -4,7 +4,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from paged_testing import assert_matches_dense, dense_batch_f64, make_batch, write_and_attend
+from paged_testing import (
+    assert_matches_dense,
+    dense_batch_f64,
+    make_batch,
+    with_leading_padding,
+    write_and_attend,
+)
 
 import paged_ops
 
@@ -131,3 +137,32 @@ def test_write_kv_skips_padding_slots():
         block, off = divmod(slot, 4)
         torch.testing.assert_close(batch.kv_cache[block, 0, off], batch.new_key[t])
         torch.testing.assert_close(batch.kv_cache[block, 1, off], batch.new_value[t])
+
+
+# (context, new tokens) with padding queries before them: fresh rows (no key for the padding),
+# a continued row (padding sees the context), and a row of padding only.
+PADDED = [(0, 5), (9, 3), (0, 1), (0, 0)]
+PADS = [3, 2, 6, 3]
+
+
+@pytest.mark.parametrize(
+    "features",
+    [{}, {"sliding_window": 4}, {"softcap": 3.0}, {"sinks": "sinks"}, {"alibi_slopes": "alibi"}],
+    ids=["plain", "window", "softcap", "sinks", "alibi"],
+)
+def test_padding_queries_before_a_sequence_read_zeros_and_real_rows_match_dense(features):
+    batch = with_leading_padding(
+        make_batch(PADDED, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4, pad_tokens=2),
+        PADS,
+    )
+    kwargs = {
+        k: torch.linspace(-1, 1, 4) if v in ("sinks", "alibi") else v for k, v in features.items()
+    }
+    out = run_reference(batch, **kwargs)
+    dense = dict(kwargs, scale=32**-0.5, window=kwargs.pop("sliding_window", None))
+    dense.pop("sliding_window", None)
+    assert_matches_dense(out, batch, dense_batch_f64(batch, **dense), rtol=1e-5)
+    starts = batch.cu_seqlens_q.tolist()
+    for s in (0, 2, 3):  # fresh rows: their padding queries see nothing
+        rows = out[starts[s] : starts[s] + PADS[s]]
+        assert torch.equal(rows, torch.zeros_like(rows))

@@ -17,6 +17,7 @@ from paged_testing import (
     assert_matches_dense,
     dense_batch_f64,
     make_batch,
+    with_leading_padding,
     write_and_attend,
 )
 
@@ -300,3 +301,24 @@ def test_module_on_triton_matches_module_on_reference():
             real = sum(step.values())
             torch.testing.assert_close(tri(layer, q, k, v)[:real], ref(layer, q, k, v)[:real])
     torch.testing.assert_close(tri.kv_cache.data, ref.kv_cache.data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_segments", [None, 4], ids=["one_pass", "split_kv"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_padding_queries_before_a_sequence_read_zeros_like_the_reference(
+    dtype, num_segments, sinks
+):
+    # left padding of a Hugging Face batch: more queries than keys, the first ones see nothing
+    def padded():
+        base = make_batch([(0, 5), (40, 1), (0, 1), (0, 0)], num_q_heads=4, num_kv_heads=2,
+                          head_dim=32, block_size=4, dtype=dtype, pad_tokens=2)  # fmt: skip
+        return with_leading_padding(base, [3, 2, 6, 3])
+
+    kwargs = {"sinks": torch.linspace(-1, 1, 4)} if sinks else {}
+    out = run_triton(padded(), num_segments=num_segments, **kwargs)
+    ref = write_and_attend(padded(), "reference", **kwargs)
+    assert torch.isfinite(out.float()).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    assert torch.equal(out[:3], torch.zeros_like(out[:3]))  # fresh sequence's padding

@@ -87,5 +87,7 @@ def paged_attention(
             probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         else:
             probs = torch.softmax(scores, dim=-1)
+        # a query that sees no key (padding before the sequence's tokens) reads zeros, not NaN
+        probs = probs.masked_fill(~allowed.any(-1)[None, :, None], 0.0)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

@@ -290,6 +290,7 @@ def reduce_segments_kernel(
     denom = tl.sum(w * sums, 0)
     if USE_SINKS:
         denom += tl.exp2(sink - m_max)
+    denom = tl.where(denom == 0.0, 1.0, denom)  # a row that sees no key reads zeros
     acc = tl.load(part_acc_ptr + (row + offs_s)[:, None] * D_PAD + offs_d[None, :])
     out = tl.sum(acc * w[:, None], 0) / denom  # [D_PAD]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_mask)
