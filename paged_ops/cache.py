@@ -65,17 +65,14 @@ class KVCache:
             raise TypeError(f"KV cache dtype must be one of {_CACHE_DTYPES}, got {dtype}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        # [L, N, 2, B, Hkv, D]: one allocation, per-layer views
-        self.data = torch.zeros(
-            num_layers,
-            num_blocks,
-            2,
-            block_size,
-            num_kv_heads,
-            head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        # [L, N, 2, B, Hkv, D]: one allocation, per-layer views. Never an inference tensor (made
+        # under inference_mode, it could not be written outside it).
+        with torch.inference_mode(False):
+            self.data = torch.zeros(
+                (num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim),
+                dtype=dtype,
+                device=device,
+            )
         self.layers: list[torch.Tensor] = list(self.data.unbind(0))
 
     @staticmethod

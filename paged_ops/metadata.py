@@ -120,12 +120,13 @@ class MetadataBuilder:
             offsets[name] = total
             total += -(-numel * dtype.itemsize // 16) * 16  # 16-byte aligned regions
         on_cuda = self.device.type == "cuda"
-        self._host_bytes = torch.zeros(total, dtype=torch.uint8, pin_memory=on_cuda)
-        self._device_bytes = (
-            torch.zeros(total, dtype=torch.uint8, device=self.device)
-            if on_cuda
-            else self._host_bytes
-        )
+        with torch.inference_mode(False):  # buffers written in and out of inference_mode
+            self._host_bytes = torch.zeros(total, dtype=torch.uint8, pin_memory=on_cuda)
+            self._device_bytes = (
+                torch.zeros(total, dtype=torch.uint8, device=self.device)
+                if on_cuda
+                else self._host_bytes
+            )
         self._copy_done = torch.cuda.Event() if on_cuda else None
 
         def views(buf: torch.Tensor) -> dict[str, torch.Tensor]:

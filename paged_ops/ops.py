@@ -70,6 +70,60 @@ for _device in ("CPU", "CUDA"):
     _lib.impl("paged_attention", _paged_attention_impl, _device)
 
 
+# The backward of paged_attention is an op of its own that raises when it runs: traceable (its
+# fake kernel returns a tensor), so torch.compile with grad enabled can still build the graph.
+_lib.define("inference_only_backward(Tensor grad) -> Tensor")
+
+
+def _inference_only_backward(grad: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError(
+        "paged_ops attention is inference-only: it has no backward. Run the forward under "
+        "torch.no_grad() / inference_mode(), or train with the model's own attention "
+        "(unpatch_model(model), or another attn_implementation)"
+    )
+
+
+for _device in ("CPU", "CUDA"):
+    _lib.impl("inference_only_backward", _inference_only_backward, _device)
+
+
+@torch.library.register_fake("paged_ops::inference_only_backward", lib=_lib)
+def _inference_only_backward_fake(grad):  # noqa: ANN001
+    return torch.empty_like(grad)
+
+
+def _attention_backward(ctx: object, grad: torch.Tensor) -> tuple:
+    grad_query = torch.ops.paged_ops.inference_only_backward.default(grad)
+    return (grad_query,) + (None,) * 12
+
+
+def _save_nothing(ctx: object, inputs: tuple, output: object) -> None:
+    return None
+
+
+# With grad enabled the kernels run below autograd (no history inside them; the cache takes
+# values only). The attention output carries a node whose backward raises: an output that
+# silently did not require grad would let loss.backward() return wrong gradients.
+torch.library.register_autograd(
+    "paged_ops::paged_attention", _attention_backward, setup_context=_save_nothing, lib=_lib
+)
+
+
+def _write_kv_autograd(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: str,
+) -> None:
+    # A mutating op cannot have an autograd formula; run it below autograd (values only).
+    with torch._C._AutoDispatchBelowAutograd():
+        torch.ops.paged_ops.write_kv.default(key, value, kv_cache, slot_mapping, backend)
+
+
+_lib.impl("write_kv", _write_kv_autograd, "Autograd")
+
+
 @torch.library.register_fake("paged_ops::write_kv", lib=_lib)
 def _write_kv_fake(key, value, kv_cache, slot_mapping, backend):  # noqa: ANN001
     return None

@@ -298,3 +298,11 @@ def test_llm_arguments_that_conflict_with_the_patch_are_listed() -> None:
         LLM(model, gpu_memory_utilization=0.5, compile=False)
     llm = LLM(model, block_size=8, max_model_len=64, backend="reference", compile=False)
     assert llm.pa is pa
+
+
+def test_backward_through_a_patched_model_says_it_is_inference_only() -> None:
+    model, _, _ = _pair("llama")
+    ids, mask = padded_batch(PROMPTS)
+    loss = model(ids, attention_mask=mask, use_cache=False).logits.sum()
+    with pytest.raises(RuntimeError, match="inference-only"):
+        loss.backward()
