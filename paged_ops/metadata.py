@@ -63,6 +63,7 @@ class AttentionMetadata:
     host_cu_seqlens_q: torch.Tensor | None
     host_seq_lens: torch.Tensor | None
     host_block_table: torch.Tensor | None
+    has_padding_queries: bool = False  # some sequence has padding before its tokens
 
     @property
     def padded_num_tokens(self) -> int:
@@ -243,6 +244,7 @@ class MetadataBuilder:
             host_cu_seqlens_q=host["cu_seqlens_q"][: num_seqs + 1],
             host_seq_lens=host["seq_lens"][:num_seqs],
             host_block_table=host["block_table"][:num_seqs],
+            has_padding_queries=any(s.num_pad_before for s in seqs),
         )
 
     def device_views(self) -> dict[str, torch.Tensor]:

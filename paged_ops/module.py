@@ -30,6 +30,14 @@ class LayerConfig:
     causal: bool = True
 
 
+def _unplanned(spec: LayerSpec) -> str:
+    """The backend a step with padding queries uses for a layer of a host-planned backend."""
+    try:
+        return resolve_backend("triton", spec, "cuda")
+    except ValueError:
+        return "reference"
+
+
 @dataclass
 class _SequenceState:
     blocks: list[int] = field(default_factory=list)
@@ -121,6 +129,7 @@ class PagedAttention(nn.Module):
         """Pick each layer's backend, and one planner per group of layers that share parameters."""
         device = self.kv_cache.device
         self.layer_backends: list[str] = []
+        specs = []
         for cfg in self.layers:
             spec = LayerSpec(
                 head_dim=self.head_dim,
@@ -132,7 +141,14 @@ class PagedAttention(nn.Module):
                 softcap=cfg.softcap,
                 has_sinks=cfg.has_sinks,
             )
+            specs.append(spec)
             self.layer_backends.append(resolve_backend(backend, spec, device))
+        # Steps with padding queries (q_len > seq_len) skip host-planned backends: FlashInfer's
+        # plans assume every query has keys. Those layers use triton (else reference) then.
+        self.padding_backends = [
+            name if getattr(get_backend(name), "make_planner", None) is None else _unplanned(spec)
+            for name, spec in zip(self.layer_backends, specs, strict=True)
+        ]
         # KV writes go through the first layer's backend; every backend obeys one cache layout.
         self.write_backend = self.layer_backends[0]
         self.planners: list = []
@@ -210,8 +226,9 @@ class PagedAttention(nn.Module):
         Plans the host-planned backends for it. ``key`` identifies the step (``pending_step``);
         ``owner`` is kept alive until the next step (e.g. the blocks of a one-forward batch).
         """
-        for planner in self.planners:
-            planner.plan(metadata)
+        if not metadata.has_padding_queries:  # such steps run on padding_backends, unplanned
+            for planner in self.planners:
+                planner.plan(metadata)
         self.metadata, self.pending_step, self.step_owner = metadata, key, owner
         return metadata
 
@@ -252,6 +269,9 @@ class PagedAttention(nn.Module):
             raise RuntimeError("PagedAttention.prepare() must run before the forward")
         cfg = self.layers[layer_idx]
         cache = self.kv_cache.layers[layer_idx]  # [N, 2, B, Hkv, D]
+        backend, handle = self.layer_backends[layer_idx], self.layer_plan_handles[layer_idx]
+        if md.has_padding_queries:
+            backend, handle = self.padding_backends[layer_idx], -1
         torch.ops.paged_ops.write_kv.default(key, value, cache, md.slot_mapping, self.write_backend)
         return torch.ops.paged_ops.paged_attention.default(
             query,
@@ -265,6 +285,6 @@ class PagedAttention(nn.Module):
             float(cfg.softcap or 0.0),
             sinks,
             alibi_slopes,
-            self.layer_backends[layer_idx],
-            self.layer_plan_handles[layer_idx],
+            backend,
+            handle,
         )

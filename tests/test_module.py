@@ -129,3 +129,23 @@ def test_builder_block_table_equals_a_fresh_build_under_random_steps(seed):
         fresh = MetadataBuilder(**kwargs).build(seqs, num_seqs=num_seqs)
         assert md.block_table.tolist() == fresh.block_table.tolist()
         assert md.host_block_table.tolist() == fresh.block_table.tolist()
+
+
+def test_steps_with_padding_queries_skip_planned_backends():
+    # FlashInfer's plans assume every query sees keys: a step with padding queries is not planned
+    # and its layers run on the unplanned backend (triton, else reference).
+    pa = PagedAttention(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, num_blocks=8,
+                        block_size=4, max_model_len=16)  # fmt: skip
+    plans = []
+    pa.planners = [type("Spy", (), {"plan": lambda self, md: plans.append(md)})()]
+    padded = pa.builder.build([SequenceSlice([0], 0, 2, num_pad_before=3)])
+    assert padded.has_padding_queries and padded.cu_seqlens_q.tolist() == [0, 5]
+    assert padded.slot_mapping.tolist() == [-1, -1, -1, 0, 1]
+    pa.use_step(padded, key="hf")
+    assert plans == []
+    pa.layer_backends = ["flashinfer"]  # what "auto" picks on a CUDA machine with FlashInfer
+    q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
+    out = pa(0, q, k, k)  # ran on padding_backends[0] (reference here), not the planned one
+    assert pa.padding_backends == ["reference"] and torch.equal(out[:3], torch.zeros(3, 4, 16))
+    pa.use_step(pa.builder.build([SequenceSlice([0], 0, 2)]), key="hf")
+    assert len(plans) == 1
