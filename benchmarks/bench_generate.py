@@ -256,11 +256,14 @@ def run_hf_native(cfg, batches, prompt_len, new_tokens, args):
                 )  # fmt: skip
 
             _, first = timed(lambda call=call: call().sequences.shape[0])  # compile, capture
-            sync()
-            t0 = time.perf_counter()
-            out = call()
-            sync()
-            n, dt = new_tokens * ids.shape[0], time.perf_counter() - t0
+            times = []
+            for _ in range(args.native_repeats):  # median of warm calls (HF's loop is noisy)
+                sync()
+                t0 = time.perf_counter()
+                out = call()
+                sync()
+                times.append(time.perf_counter() - t0)
+            n, dt = new_tokens * ids.shape[0], sorted(times)[len(times) // 2]
             width = ids.shape[1]
             if system == "paged_ops_generate":
                 held = pa.kv_cache.num_blocks - pa.allocator.num_free  # the output keeps its cache
@@ -270,7 +273,8 @@ def run_hf_native(cfg, batches, prompt_len, new_tokens, args):
             outputs[(system, b)] = out.sequences[:, width:].cpu()
             del out
             rows.append(dict(system=system, batch=b, tokens=n, seconds=dt, tok_s=n / dt,
-                             warmup_s=first, kv_mib=kv / 2**20, prompt_lens=mask.sum(1).tolist()))  # fmt: skip
+                             warmup_s=first, kv_mib=kv / 2**20, prompt_lens=mask.sum(1).tolist(),
+                             seconds_each=times))  # fmt: skip
             print(f"  {system} b={b}: {n / dt:,.0f} tok/s, KV {kv / 2**20:,.1f} MiB "
                   f"(first call {first:.1f} s)", flush=True)  # fmt: skip
             gc.collect()
@@ -299,6 +303,7 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="paged_ops batches to profile, e.g. 1,64")
     parser.add_argument("--quick", action="store_true", help="64 new tokens, batches 1 and 64")
     parser.add_argument("--native-batches", default="1,8", help="hf_native batch sizes")
+    parser.add_argument("--native-repeats", type=int, default=3, help="hf_native timed calls")
     parser.add_argument("--native-longest", type=int, default=512,
                         help="hf_native: the longest ragged prompt (batch 1: its only prompt)")  # fmt: skip
     parser.add_argument("--out", help="write the results as JSON here (after every system)")
