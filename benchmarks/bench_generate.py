@@ -233,57 +233,79 @@ def kv_bytes_per_token(cfg) -> int:
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # bf16
 
 
+@torch.no_grad()
+def divergence_gap(model, ids, mask, ours_ref, ours, i) -> float | None:
+    """Where greedy outputs first differ, how far apart the model's own logits of the two tokens
+    are (bf16 noise flips near-ties); ``None`` where they never differ."""
+    if i is None:
+        return None
+    real = ids[mask.bool()]
+    prefix = torch.cat([real, ours_ref[:i].to(real.device)])[None]
+    logits = model(prefix).logits[0, -1].float()
+    return round(float(logits[int(ours_ref[i])] - logits[int(ours[i])]), 4)
+
+
 def run_hf_native(cfg, batches, prompt_len, new_tokens, args):
-    """The same ``generate`` call with transformers' static cache + compiled decode, then on the
-    patched model (PagedCache, compiled decode with the paged ops inside the graph)."""
+    """The same ``generate`` call with transformers' static cache + compiled decode, and on a
+    patched copy of the model (PagedCache, compiled decode with the paged ops inside the graph).
+    The two systems' timed calls alternate, so that drift in the host's speed (this loop is
+    transformers' Python, one host sync per token) hits both alike; medians are reported."""
+    import copy
+
     from paged_ops.integrations.transformers import patch_model
 
-    model = build_model(cfg, DEVICE)
+    plain = build_model(cfg, DEVICE)
+    patched = copy.deepcopy(plain)
+    longest = args.native_longest + new_tokens
+    pa = patch_model(patched, backend=args.backend, num_blocks=2 * max(batches) * -(-longest // 16),
+                     max_model_len=longest)  # fmt: skip
+    systems = {"hf_static_compile": plain, "paged_ops_generate": patched}
     per_token = kv_bytes_per_token(cfg)
-    work = {b: left_padded(ragged_prompts(b, args.native_longest, cfg.vocab_size)) for b in batches}
-    rows, outputs = [], {}
-    for system in ("hf_static_compile", "paged_ops_generate"):
-        if system == "paged_ops_generate":
-            longest = args.native_longest + new_tokens
-            blocks = 2 * max(batches) * -(-longest // 16)
-            pa = patch_model(model, backend=args.backend, num_blocks=blocks, max_model_len=longest)
-        for b, (ids, mask) in work.items():
+    rows = []
+    for b in batches:
+        ids, mask = left_padded(ragged_prompts(b, args.native_longest, cfg.vocab_size))
+        width = ids.shape[1]
 
-            def call(ids=ids, mask=mask):
-                return model.generate(
-                    ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                    do_sample=False, cache_implementation="static", return_dict_in_generate=True,
-                )  # fmt: skip
+        def call(model, ids=ids, mask=mask):
+            return model.generate(
+                ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, cache_implementation="static", return_dict_in_generate=True,
+            )  # fmt: skip
 
-            _, first = timed(lambda call=call: call().sequences.shape[0])  # compile, capture
-            times = []
-            for _ in range(args.native_repeats):  # median of warm calls (HF's loop is noisy)
+        first, times, outputs, kv = {}, {n: [] for n in systems}, {}, {}
+        for name, model in systems.items():  # compiles, captures graphs
+            _, first[name] = timed(lambda model=model: call(model).sequences.shape[0])
+        for _ in range(args.native_repeats):
+            for name, model in systems.items():
                 sync()
                 t0 = time.perf_counter()
-                out = call()
+                out = call(model)
                 sync()
-                times.append(time.perf_counter() - t0)
-            n, dt = new_tokens * ids.shape[0], sorted(times)[len(times) // 2]
-            width = ids.shape[1]
-            if system == "paged_ops_generate":
-                held = pa.kv_cache.num_blocks - pa.allocator.num_free  # the output keeps its cache
-                kv = held * pa.block_size * per_token
-            else:
-                kv = ids.shape[0] * (width + new_tokens - 1) * per_token  # StaticCache tensors
-            outputs[(system, b)] = out.sequences[:, width:].cpu()
-            del out
-            rows.append(dict(system=system, batch=b, tokens=n, seconds=dt, tok_s=n / dt,
-                             warmup_s=first, kv_mib=kv / 2**20, prompt_lens=mask.sum(1).tolist(),
-                             seconds_each=times))  # fmt: skip
-            print(f"  {system} b={b}: {n / dt:,.0f} tok/s, KV {kv / 2**20:,.1f} MiB "
-                  f"(first call {first:.1f} s)", flush=True)  # fmt: skip
-            gc.collect()
-    for b in batches:
-        a, p = outputs[("hf_static_compile", b)], outputs[("paged_ops_generate", b)]
+                times[name].append(time.perf_counter() - t0)
+                if name == "paged_ops_generate":  # the output still holds its cache
+                    kv[name] = (pa.kv_cache.num_blocks - pa.allocator.num_free) * pa.block_size
+                else:  # StaticCache tensors: every row to the longest prompt + new tokens
+                    kv[name] = b * (width + new_tokens - 1)
+                outputs[name] = out.sequences[:, width:].cpu()
+                del out
+                gc.collect()
+        for name in systems:
+            dt = sorted(times[name])[len(times[name]) // 2]
+            n, mib = new_tokens * b, kv[name] * per_token / 2**20
+            rows.append(dict(system=name, batch=b, tokens=n, seconds=dt, tok_s=n / dt,
+                             warmup_s=first[name], kv_mib=mib, kv_tokens=kv[name],
+                             prompt_lens=mask.sum(1).tolist(), seconds_each=times[name]))  # fmt: skip
+            print(f"  {name} b={b}: {n / dt:,.0f} tok/s (median of {len(times[name])}), KV "
+                  f"{mib:,.1f} MiB (first call {first[name]:.1f} s)", flush=True)  # fmt: skip
+        a, p = outputs["hf_static_compile"], outputs["paged_ops_generate"]
         diverge = [next((i for i, (x, y) in enumerate(zip(ra, rp, strict=True)) if x != y), None)
                    for ra, rp in zip(a.tolist(), p.tolist(), strict=True)]  # fmt: skip
-        print(f"  b={b}: first divergence per row (None = identical): {diverge}")
-        rows.append(dict(system="divergence", batch=b, first_divergence=diverge))
+        gaps = [
+            divergence_gap(plain, ids[r], mask[r], a[r], p[r], i) for r, i in enumerate(diverge)
+        ]
+        print(f"  b={b}: first divergence per row (None = identical): {diverge}; the plain "
+              f"model's logit gap between the two tokens there: {gaps}")  # fmt: skip
+        rows.append(dict(system="divergence", batch=b, first_divergence=diverge, logit_gap=gaps))
     return rows
 
 
@@ -303,7 +325,7 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="paged_ops batches to profile, e.g. 1,64")
     parser.add_argument("--quick", action="store_true", help="64 new tokens, batches 1 and 64")
     parser.add_argument("--native-batches", default="1,8", help="hf_native batch sizes")
-    parser.add_argument("--native-repeats", type=int, default=3, help="hf_native timed calls")
+    parser.add_argument("--native-repeats", type=int, default=5, help="hf_native timed calls")
     parser.add_argument("--native-longest", type=int, default=512,
                         help="hf_native: the longest ragged prompt (batch 1: its only prompt)")  # fmt: skip
     parser.add_argument("--out", help="write the results as JSON here (after every system)")

@@ -213,6 +213,8 @@ class ModelRunner:
             self._load_ids([0] * bucket, bucket)
             self._call(bucket)  # warm-up run (compiles / autotunes outside the capture)
             torch.cuda.synchronize(self.device)
+            # a forward consumes its prepared step: the captured one gets its own, as each replay
+            self.pa.prepare_slices(slices, num_tokens=bucket, num_seqs=bucket)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 outputs = self._call(bucket)  # logits [bucket, V], greedy ids [bucket]
