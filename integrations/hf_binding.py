@@ -60,9 +60,7 @@ def _register_config(config: Any, pa: PagedAttention) -> None:
     _BY_CONFIG[key] = (weakref.ref(config, lambda _: _BY_CONFIG.pop(key, None)), pa)
 
 
-def _fill_packed_positions(
-    pa: PagedAttention,
-) -> Any:
+def _fill_packed_positions(pa: PagedAttention) -> Any:
     """A forward pre-hook for the decoder: a packed step without ``position_ids`` gets the
     prepared step's positions (transformers would otherwise use ``0..T-1``)."""
 

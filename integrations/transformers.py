@@ -67,11 +67,14 @@ def _paged_cache_for_generation(original: Callable[..., Any]) -> Callable[..., A
         self: nn.Module,
         generation_config: Any,
         model_kwargs: dict[str, Any],
-        *args: Any,
-        **kwargs: Any,
+        generation_mode: Any,
+        batch_size: int,
+        max_cache_length: int,
     ) -> Any:
         if getattr(self.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-            return original(self, generation_config, model_kwargs, *args, **kwargs)
+            return original(
+                self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
         pa = paged_attention_of(self, create=True)
         impl = generation_config.cache_implementation
         cache = model_kwargs.get("past_key_values")
@@ -85,7 +88,6 @@ def _paged_cache_for_generation(original: Callable[..., Any]) -> Callable[..., A
             return None
         if generation_config.use_cache is False:
             return None
-        max_cache_length = kwargs.get("max_cache_length", args[-1] if args else None)
         if impl in (None, "dynamic"):
             model_kwargs["past_key_values"] = PagedCache(pa)
         elif impl == "static":

@@ -119,7 +119,8 @@ class PagedAttention(nn.Module):
         )
         self.metadata: AttentionMetadata | None = None
         # What the next forward runs: PACKED_STEP after prepare()/prepare_slices(), or a key the
-        # transformers integration sets for a [B, T] batch; the first layer's forward clears it.
+        # transformers integration sets for a [B, T] batch; the integration's attention function
+        # clears it at the model's first layer (a forward consumes its step).
         self.pending_step: Hashable | None = None
         self.step_owner: object | None = None  # keeps what prepared the step alive until the next
         self._sequences: dict[Hashable, _SequenceState] = {}

@@ -218,3 +218,11 @@ class TokenLog:
 
     def end(self) -> None:
         self.ended = True
+
+
+def all_blocks_free(pa: PagedAttention) -> bool:
+    """Every KV block is back in the pool (caches dropped in a reference cycle collected first)."""
+    import gc
+
+    gc.collect()
+    return pa.allocator.num_free == pa.kv_cache.num_blocks

@@ -5,7 +5,6 @@ cannot do (masks with holes, custom 4D masks, foreign caches, unpatched or re-si
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import os
 
@@ -14,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import build_model, make_prompts, padded_batch  # noqa: E402
+from hf_models import all_blocks_free, build_model, make_prompts, padded_batch  # noqa: E402
 from paged_ops.integrations.hf_cache import PagedCache  # noqa: E402
 from paged_ops.integrations.transformers import (  # noqa: E402
     paged_attention_of,
@@ -59,8 +58,7 @@ def test_hf_compiled_generation_runs_our_ops_without_graph_breaks(family, paddin
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert model.generate(ids, **compiled, **kwargs).tolist() == expected
-    gc.collect()
-    assert pa.allocator.num_free == pa.kv_cache.num_blocks
+    assert all_blocks_free(pa)
 
 
 @torch.no_grad()
@@ -111,8 +109,7 @@ def test_beam_search_reorders_blocks_and_matches_the_twin() -> None:
     ids, mask = padded_batch(PROMPTS)
     kwargs = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, num_return_sequences=2)
     assert model.generate(ids, **kwargs).tolist() == twin.generate(ids, **kwargs).tolist()
-    gc.collect()
-    assert pa.allocator.num_free == pa.kv_cache.num_blocks
+    assert all_blocks_free(pa)
 
 
 @torch.no_grad()
@@ -165,8 +162,7 @@ def test_a_paged_cache_drives_the_model_step_by_step_like_a_dynamic_cache() -> N
     used = pa.kv_cache.num_blocks - pa.allocator.num_free
     assert used == sum(-(-(len(p) + 3) // pa.block_size) for p in PROMPTS)  # no block for padding
     del cache, out
-    gc.collect()
-    assert pa.allocator.num_free == pa.kv_cache.num_blocks
+    assert all_blocks_free(pa)
 
 
 @torch.no_grad()
@@ -214,8 +210,7 @@ def test_running_out_of_blocks_is_a_clear_error_and_changes_nothing() -> None:
     ids, mask = padded_batch(PROMPTS)
     with pytest.raises(OutOfBlocksError, match="KV blocks"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    gc.collect()
-    assert pa.allocator.num_free == 6
+    assert all_blocks_free(pa)
     out = model.generate(ids[:1, -5:], max_new_tokens=4, do_sample=False)  # fits: still serves
     assert out.shape == (1, 9)
 
