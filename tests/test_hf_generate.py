@@ -46,6 +46,47 @@ def test_batched_left_padded_generate_matches_the_twin(pair) -> None:
 
 
 @torch.no_grad()
+def test_hf_compiled_generation_runs_without_graph_breaks_and_matches_the_twin(pair) -> None:
+    # cache_implementation="static" makes transformers compile the decode step (fullgraph here,
+    # so a graph break would be an error); aot_eager keeps it fast on CPU
+    import transformers
+    from torch._dynamo.utils import counters
+
+    model, pa, twin = pair
+    ids, mask = padded_batch(make_prompts(PROMPT_LENGTHS, seed=4))
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+    compile_config = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    compile_config._compile_all_devices = True  # transformers compiles on CUDA only by default
+    torch._dynamo.reset()
+    counters.clear()
+    got = model.generate(
+        ids, cache_implementation="static", compile_config=compile_config, **kwargs
+    )
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert got.tolist() == twin.generate(ids, **kwargs).tolist()
+
+
+@torch.no_grad()
+def test_stopping_rules_match_the_twin(pair) -> None:
+    import transformers
+
+    class StopAfter(transformers.StoppingCriteria):  # a caller's own criterion: 6 new tokens
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= width + 6)
+
+    model, pa, twin = pair
+    ids, mask = padded_batch(make_prompts(PROMPT_LENGTHS, seed=5))
+    width = ids.shape[1]
+    first = twin.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    eos = int(first[0, width + 1])  # row 0 would stop at its 2nd token, before min_new_tokens
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=3, do_sample=False,
+                  eos_token_id=eos, pad_token_id=0, stopping_criteria=[StopAfter()])  # fmt: skip
+    got = model.generate(ids, **kwargs)
+    assert got.shape[1] <= width + 6
+    assert got.tolist() == twin.generate(ids, **kwargs).tolist()
+
+
+@torch.no_grad()
 def test_sampling_with_two_returned_sequences_matches_the_twin(pair) -> None:
     model, pa, twin = pair
     ids, mask = padded_batch(make_prompts(PROMPT_LENGTHS, seed=1))
