@@ -97,9 +97,11 @@ def paged_mask(
             )
         return PACKED
     owner = None
-    if rows is None:  # a forward without a cache: its rows live for this forward only
-        owner = rows = PagedRows(pa, None)
-        pa.step_owner = None  # the previous one-forward rows give their blocks back first
+    if rows is None:  # a forward without a cache: its rows live until the next step
+        owner = rows = (
+            pa.step_owner if isinstance(pa.step_owner, PagedRows) else PagedRows(pa, None)
+        )
+        rows.reset()  # the previous forward's blocks go back (its builder's buffers are reused)
     md = rows.prepare(attention_mask, batch_size, q_length)
     pa.use_step(md, key, owner)
     return _step_prepared(batch_size, q_length, device)
