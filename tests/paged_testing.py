@@ -137,6 +137,69 @@ def with_leading_padding(batch: PagedBatch, pads: list[int], seed: int = 0) -> P
     )
 
 
+# A Hugging Face batch with left padding, mixed with unpadded sequences: per sequence (context, new
+# tokens) and how many padding queries (slot -1, nothing written) come before its tokens. Padding of a
+# fresh sequence sits at p < 0 and sees no key, down to p = -40 (more than two 16-wide KV tiles below
+# 0); (0, 0) + 3 is a sequence with seq_len 0 and q_len 3; the 2 padding queries of (9, 3) sit at
+# p >= 0 and see the context like any query.
+LEFT_PADDED = [(0, 7), (0, 5), (13, 1), (9, 3), (0, 0), (30, 2), (0, 1), (21, 1)]
+LEFT_PADS = [0, 3, 0, 2, 3, 0, 40, 0]
+
+
+def make_left_padded_batch(**kwargs: object) -> PagedBatch:
+    """:data:`LEFT_PADDED` with :data:`LEFT_PADS`, plus 2 padding tokens and one padded sequence;
+    kwargs go to :func:`make_batch` (heads, head size, block size, dtype, seed)."""
+    batch = make_batch(LEFT_PADDED, pad_tokens=2, pad_seqs=1, **kwargs)  # type: ignore[arg-type]
+    return with_leading_padding(batch, LEFT_PADS)
+
+
+# Layer features (public wrapper keywords) for a batch with 4 query heads. "window_1": every row
+# with p >= 0 sees exactly one key, itself; no window empties a row with p >= 0 (it keeps j = p), so
+# under the contract a row sees no key only at p < 0 (causal) or with seq_len 0.
+PADDED_FEATURES = {
+    "plain": {},
+    "window_1": dict(sliding_window=1),
+    "window_4": dict(sliding_window=4),
+    "softcap": dict(softcap=3.0, scale=0.4),
+    "sinks": dict(sinks=torch.tensor([-1.0, 0.0, 2.0, 0.5])),
+    "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625])),
+    "non_causal": dict(causal=False),
+    "non_causal_window_sinks": dict(
+        causal=False, sliding_window=3, sinks=torch.tensor([0.0, 1.0, -2.0, 3.0])
+    ),
+    "everything": dict(
+        sliding_window=6,
+        softcap=4.0,
+        scale=0.3,
+        sinks=torch.tensor([1.0, -1.0, 0.5, 2.0]),
+        alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
+    ),
+}
+
+
+def rows_without_keys(batch: PagedBatch, causal: bool = True) -> list[int]:
+    """Packed query rows that see no key under the op contract, from the metadata alone.
+
+    Causal: the rows at ``p = seq_len - q_len + i < 0``. A sliding window never empties a row with
+    ``p >= 0`` (it keeps ``j = p``, and ``p < seq_len``), so it adds none. Non-causal: only the rows
+    of a sequence with ``seq_len == 0``.
+    """
+    starts, lens = batch.cu_seqlens_q.tolist(), batch.seq_lens.tolist()
+    rows = []
+    for s, q_len in enumerate(batch.q_lens):
+        for i in range(q_len):
+            if lens[s] == 0 or (causal and lens[s] - q_len + i < 0):
+                rows.append(starts[s] + i)
+    return rows
+
+
+def assert_rows_zero(out: torch.Tensor, rows: list[int]) -> None:
+    """``out[rows]`` is exactly zero (not NaN, not merely small)."""
+    got = out[rows]
+    assert torch.isfinite(got.float()).all(), "rows without keys must be finite"
+    assert torch.equal(got, torch.zeros_like(got)), "rows without keys must read exactly zero"
+
+
 def dense_attention_f64(
     q: torch.Tensor,  # [q_len, Hq, D]
     k: torch.Tensor,  # [kv_len, Hkv, D]
@@ -205,19 +268,30 @@ def assert_matches_dense(
 
 
 def write_and_attend(
-    batch: PagedBatch, backend: str, num_segments: int | None = None, **kwargs: object
+    batch: PagedBatch,
+    backend: str,
+    num_segments: int | None = None,
+    config: object = None,
+    **kwargs: object,
 ):
     """``paged_ops.write_kv`` of the batch's new K/V through ``backend``, then :func:`attend`."""
     paged_ops.write_kv(
         batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend=backend
     )
-    return attend(batch, backend, num_segments, **kwargs)
+    return attend(batch, backend, num_segments, config, **kwargs)
 
 
-def attend(batch: PagedBatch, backend: str, num_segments: int | None = None, **kwargs: object):
-    """``paged_ops.paged_attention`` over ``batch``; with ``num_segments``, the triton backend
-    directly with that split-KV segment count forced. kwargs are the public wrapper's keywords."""
-    if num_segments is None:
+def attend(
+    batch: PagedBatch,
+    backend: str,
+    num_segments: int | None = None,
+    config: object = None,
+    **kwargs: object,
+):
+    """``paged_ops.paged_attention`` over ``batch``; with ``num_segments`` or ``config`` (a triton
+    ``LaunchConfig``), the triton backend directly with that split-KV segment count or those tiles
+    forced. kwargs are the public wrapper's keywords."""
+    if num_segments is None and config is None:
         return paged_ops.paged_attention(
             batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
             backend=backend, **kwargs,
@@ -233,4 +307,5 @@ def attend(batch: PagedBatch, backend: str, num_segments: int | None = None, **k
         sinks=kwargs.get("sinks"),
         alibi_slopes=kwargs.get("alibi_slopes"),
         num_segments=num_segments,
+        config=config,
     )  # fmt: skip

@@ -5,10 +5,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from paged_testing import (
+    PADDED_FEATURES,
     assert_matches_dense,
+    assert_rows_zero,
     dense_batch_f64,
     make_batch,
-    with_leading_padding,
+    make_left_padded_batch,
+    rows_without_keys,
     write_and_attend,
 )
 
@@ -139,30 +142,44 @@ def test_write_kv_skips_padding_slots():
         torch.testing.assert_close(batch.kv_cache[block, 1, off], batch.new_value[t])
 
 
-# (context, new tokens) with padding queries before them: fresh rows (no key for the padding),
-# a continued row (padding sees the context), and a row of padding only.
-PADDED = [(0, 5), (9, 3), (0, 1), (0, 0)]
-PADS = [3, 2, 6, 3]
-
-
-@pytest.mark.parametrize(
-    "features",
-    [{}, {"sliding_window": 4}, {"softcap": 3.0}, {"sinks": "sinks"}, {"alibi_slopes": "alibi"}],
-    ids=["plain", "window", "softcap", "sinks", "alibi"],
-)
-def test_padding_queries_before_a_sequence_read_zeros_and_real_rows_match_dense(features):
-    batch = with_leading_padding(
-        make_batch(PADDED, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4, pad_tokens=2),
-        PADS,
-    )
-    kwargs = {
-        k: torch.linspace(-1, 1, 4) if v in ("sinks", "alibi") else v for k, v in features.items()
+def _dense_kwargs(kwargs, head_dim):
+    kwargs = dict(kwargs)
+    dense = {
+        "scale": kwargs.pop("scale", head_dim**-0.5),
+        "window": kwargs.pop("sliding_window", None),
     }
+    return dict(dense, **kwargs)
+
+
+@pytest.mark.parametrize("feature", sorted(PADDED_FEATURES))
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_left_padded_batch_rows_without_keys_read_zeros_and_the_rest_match_dense_f64(
+    feature, block_size
+):
+    kwargs = PADDED_FEATURES[feature]
+    batch = make_left_padded_batch(
+        num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=block_size, seed=block_size
+    )
     out = run_reference(batch, **kwargs)
-    dense = dict(kwargs, scale=32**-0.5, window=kwargs.pop("sliding_window", None))
-    dense.pop("sliding_window", None)
-    assert_matches_dense(out, batch, dense_batch_f64(batch, **dense), rtol=1e-5)
-    starts = batch.cu_seqlens_q.tolist()
-    for s in (0, 2, 3):  # fresh rows: their padding queries see nothing
-        rows = out[starts[s] : starts[s] + PADS[s]]
-        assert torch.equal(rows, torch.zeros_like(rows))
+    assert_matches_dense(out, batch, dense_batch_f64(batch, **_dense_kwargs(kwargs, 32)), rtol=1e-5)
+    causal = kwargs.get("causal", True)
+    empty = rows_without_keys(batch, causal=causal)
+    assert len(empty) == (3 + 3 + 40 if causal else 3)  # guards the batch: p < 0 rows, seq_len 0
+    assert_rows_zero(out, empty)
+    assert_rows_zero(out, list(range(int(batch.cu_seqlens_q[-1]), out.shape[0])))  # padding tokens
+    seen = sorted(set(range(int(batch.cu_seqlens_q[-1]))) - set(empty))
+    assert (out[seen] != 0).flatten(1).any(-1).all()  # every row that sees a key reads something
+
+
+@pytest.mark.parametrize("feature", ["plain", "everything"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rows_without_keys_read_zeros_in_every_dtype(dtype, feature):
+    kwargs = PADDED_FEATURES[feature]
+    batch = make_left_padded_batch(
+        num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, seed=5
+    )
+    out = run_reference(batch, **kwargs)
+    assert out.dtype == dtype
+    rtol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert_matches_dense(out, batch, dense_batch_f64(batch, **_dense_kwargs(kwargs, 64)), rtol=rtol)
+    assert_rows_zero(out, rows_without_keys(batch))

@@ -7,6 +7,7 @@ tiles, split-KV). bfloat16 dots
 are wrong under the interpreter, so bfloat16 is tested in test_triton_gpu.py.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -14,10 +15,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from paged_testing import (
+    PADDED_FEATURES,
     assert_matches_dense,
+    assert_rows_zero,
     dense_batch_f64,
     make_batch,
-    with_leading_padding,
+    make_left_padded_batch,
+    rows_without_keys,
     write_and_attend,
 )
 
@@ -303,22 +307,45 @@ def test_module_on_triton_matches_module_on_reference():
     torch.testing.assert_close(tri.kv_cache.data, ref.kv_cache.data)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_segments", [None, 4], ids=["one_pass", "split_kv"])
-@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
-def test_padding_queries_before_a_sequence_read_zeros_like_the_reference(
-    dtype, num_segments, sinks
-):
-    # left padding of a Hugging Face batch: more queries than keys, the first ones see nothing
-    def padded():
-        base = make_batch([(0, 5), (40, 1), (0, 1), (0, 0)], num_q_heads=4, num_kv_heads=2,
-                          head_dim=32, block_size=4, dtype=dtype, pad_tokens=2)  # fmt: skip
-        return with_leading_padding(base, [3, 2, 6, 3])
+# Launch paths for the left-padded batch (T = 70, S = 9: the default launch takes 64-row M tiles of
+# 32 tokens x group 2 and 64-wide KV tiles). Small tiles (8 tokens, 16-wide KV tiles) put whole blocks
+# of padding queries at negative positions, down to more than two KV tiles below 0; split-KV takes
+# 2 segments over 1 or 2 KV tiles, so the rows of short sequences also meet an empty segment.
+SMALL_TILES = triton_backend.LaunchConfig(16, 8, 16, 1, num_warps=4, num_stages=2)
+PADDED_PATHS = {
+    "one_pass": {},
+    "one_pass_small_tiles": dict(config=SMALL_TILES),
+    "split_kv": dict(config=dataclasses.replace(SMALL_TILES, num_segments=2)),
+}
+FP32, FP16 = torch.float32, torch.float16
+# (path, feature, dtype): every path runs plain (no sinks: the -inf running-max path) and everything
+# (window + softcap + sinks + ALiBi) in float32 and plain in float16; one pass also sinks alone,
+# small tiles also the windows and non-causal layers, split-KV also non-causal (seq_len 0 rows) and
+# everything in float16.
+PADDED_CASES = [
+    ("one_pass", "plain", FP32),
+    ("one_pass", "sinks", FP32),
+    ("one_pass", "everything", FP32),
+    ("one_pass", "plain", FP16),
+    *[("one_pass_small_tiles", f, FP32) for f in PADDED_FEATURES if f not in ("alibi", "softcap")],
+    ("one_pass_small_tiles", "plain", FP16),
+    ("one_pass_small_tiles", "everything", FP16),
+    *[("split_kv", f, FP32) for f in ("plain", "non_causal", "everything")],
+    ("split_kv", "plain", FP16),
+    ("split_kv", "everything", FP16),
+]
 
-    kwargs = {"sinks": torch.linspace(-1, 1, 4)} if sinks else {}
-    out = run_triton(padded(), num_segments=num_segments, **kwargs)
-    ref = write_and_attend(padded(), "reference", **kwargs)
-    assert torch.isfinite(out.float()).all()
+
+@pytest.mark.parametrize(
+    "path, feature, dtype", PADDED_CASES, ids=[f"{p}-{f}-{str(d)[6:]}" for p, f, d in PADDED_CASES]
+)
+def test_left_padded_batch_rows_without_keys_read_zeros_like_the_reference(path, feature, dtype):
+    kwargs = PADDED_FEATURES[feature]
+    shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4, dtype=dtype, seed=11)
+    batch = make_left_padded_batch(**shape)
+    out = run_triton(batch, **PADDED_PATHS[path], **kwargs)
+    ref = write_and_attend(make_left_padded_batch(**shape), "reference", **kwargs)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
-    assert torch.equal(out[:3], torch.zeros_like(out[:3]))  # fresh sequence's padding
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    assert_rows_zero(out, rows_without_keys(batch, causal=kwargs.get("causal", True)))
+    assert_padding_rows_zero(out, batch)

@@ -2,7 +2,9 @@
 
 Each sequence's blocks are gathered into a contiguous K/V, scores are computed in float32 and the
 contract of ARCHITECTURE.md is applied literally: scale, softcap, ALiBi, causal and sliding-window
-masks, optional attention sinks.
+masks, optional attention sinks. A query row that sees no key (a padding query at a negative position,
+``q_len > seq_len``, or any query of a sequence with ``seq_len == 0``) reads exact zeros, never NaN:
+with sinks too, since the sink's value vector is zero.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def paged_attention(
             probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         else:
             probs = torch.softmax(scores, dim=-1)
-        # a query that sees no key (padding before the sequence's tokens) reads zeros, not NaN
+        # a query that sees no key (padding before the sequence's tokens: p < 0) reads zeros, not
+        # the NaN of a softmax over nothing but -inf
         probs = probs.masked_fill(~allowed.any(-1)[None, :, None], 0.0)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

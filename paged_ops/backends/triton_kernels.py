@@ -181,10 +181,12 @@ def paged_attention_kernel(
         other=0.0,
     )  # [BLOCK_M, D_PAD]
 
-    # KV positions any row of this block can see: [kv_lo, kv_hi).
+    # KV positions any row of this block can see: [kv_lo, kv_hi). Padding queries (q_len > kv_len,
+    # left padding) sit at negative positions; a block of them has last_pos < 0 and, clamped to 0,
+    # an empty tile range: its rows keep m = -inf, l = 0 (or the sink alone) and store zeros.
     first_pos = context + local * BLOCK_Q
     last_pos = tl.minimum(first_pos + BLOCK_Q, kv_len) - 1
-    kv_hi = last_pos + 1 if CAUSAL else kv_len
+    kv_hi = tl.maximum(last_pos + 1, 0) if CAUSAL else kv_len
     kv_lo = tl.maximum(first_pos - window + 1, 0) if USE_WINDOW else 0
     tile_lo = kv_lo // TILE_N
     tile_hi = tl.cdiv(kv_hi, TILE_N)
@@ -242,7 +244,7 @@ def paged_attention_kernel(
         m_i = m_new
 
     if NUM_SEGMENTS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row that sees no key reads zeros
         ptrs = out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
     else:
@@ -286,6 +288,7 @@ def reduce_segments_kernel(
     if USE_SINKS:
         sink = tl.load(sinks_ptr + head) * LOG2E
         m_max = tl.maximum(m_max, sink)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every segment empty: no -inf - -inf
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # empty segments weigh nothing
     denom = tl.sum(w * sums, 0)
     if USE_SINKS:
