@@ -74,7 +74,8 @@ def attention_calls(pa: PagedAttention, query: torch.Tensor, calls: int):
         for i in range(calls):
             torch.ops.paged_ops.paged_attention.default(
                 query, layers[i % len(layers)], md.cu_seqlens_q, md.seq_lens, md.block_table,
-                scale, True, 0, 0.0, None, None, pa.layer_backends[0], pa.layer_plan_handles[0],
+                scale, True, 0, 0.0, None, None, None, None, pa.layer_backends[0],
+                pa.layer_plan_handles[0],
             )  # fmt: skip
 
     return run

@@ -13,7 +13,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from paged_ops.fp8 import FLOAT_DTYPES, FP8_DTYPES
+
+_CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
 class OutOfBlocksError(ValueError):
@@ -30,7 +32,8 @@ class KVCache:
 
     Args:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim: the cache geometry.
-        dtype: float32, float16 or bfloat16.
+        dtype: float32, float16 or bfloat16, or float8_e4m3fn/float8_e5m2 (a quantized cache:
+            one byte per value, so a memory budget holds twice the blocks of bfloat16).
         device: where the cache lives.
 
     ``kv.layer(i)`` is layer ``i``'s ``[num_blocks, 2, block_size, Hkv, D]`` view.

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from paged_ops.fp8 import FLOAT_DTYPES, FP8_DTYPES, is_fp8
+
+_CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
 def _expect_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -35,12 +37,58 @@ def check_kv_cache(kv_cache: torch.Tensor) -> None:
         raise ValueError(
             f"kv_cache dim 1 must be 2 (keys, values), got shape {tuple(kv_cache.shape)}"
         )
-    if kv_cache.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"kv_cache dtype must be one of {_FLOAT_DTYPES}, got {kv_cache.dtype}")
+    if kv_cache.dtype not in _CACHE_DTYPES:
+        raise TypeError(f"kv_cache dtype must be one of {_CACHE_DTYPES}, got {kv_cache.dtype}")
+
+
+def check_kv_scales(
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, kv_cache: torch.Tensor
+) -> None:
+    """Scales are float32 tensors ``[]`` (per layer) or ``[Hkv]`` (per KV head) on the cache's
+    device, and only for an FP8 cache."""
+    num_kv_heads = kv_cache.shape[3]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if not is_fp8(kv_cache.dtype):
+            raise ValueError(
+                f"{name} is given but the kv_cache is {kv_cache.dtype}; scales apply only to an "
+                f"FP8 cache ({FP8_DTYPES})"
+            )
+        if not isinstance(scale, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a float32 tensor of shape [] or [Hkv], got "
+                f"{type(scale).__name__} (a tensor, so that a new scale neither recompiles nor "
+                "breaks a CUDA graph)"
+            )
+        _expect_dtype(name, scale, torch.float32)
+        if scale.shape not in ((), (num_kv_heads,)):
+            raise ValueError(
+                f"{name} must have shape [] (per layer) or [Hkv] = [{num_kv_heads}] (per KV "
+                f"head), got {tuple(scale.shape)}"
+            )
+        if scale.device != kv_cache.device:
+            raise ValueError(f"{name} is on {scale.device} but kv_cache is on {kv_cache.device}")
+
+
+def check_kv_dtype(name: str, t: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """``t`` (query, key or value) is a float tensor matching the cache (any float for FP8)."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} dtype must be one of {FLOAT_DTYPES} (an FP8 cache takes float "
+            f"{'queries' if name == 'query' else 'keys/values'} and quantizes), got {t.dtype}"
+        )
+    if not is_fp8(kv_cache.dtype) and t.dtype != kv_cache.dtype:
+        raise TypeError(f"{name} dtype {t.dtype} != kv_cache dtype {kv_cache.dtype}")
 
 
 def check_write_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
         check_tensor(name, t)
@@ -54,8 +102,8 @@ def check_write_kv(
             f"{tuple(kv_cache.shape)}"
         )
     for name, t in (("key", key), ("value", value)):
-        if t.dtype != kv_cache.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} != kv_cache dtype {kv_cache.dtype}")
+        check_kv_dtype(name, t, kv_cache)
+    check_kv_scales(k_scale, v_scale, kv_cache)
     _expect_dtype("slot_mapping", slot_mapping, torch.int64)
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(
@@ -86,6 +134,8 @@ def check_paged_attention(
     softcap: float | None,
     sinks: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     for name, t in (
         ("query", query),
@@ -98,8 +148,7 @@ def check_paged_attention(
     _expect_ndim("query", query, 3, "[T, Hq, D]")
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, cache_head_dim = kv_cache.shape[3], kv_cache.shape[4]
-    if query.dtype != kv_cache.dtype:
-        raise TypeError(f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
+    check_kv_dtype("query", query, kv_cache)
     if head_dim != cache_head_dim:
         raise ValueError(f"query head size {head_dim} != kv_cache head size {cache_head_dim}")
     if num_q_heads % num_kv_heads:
@@ -150,6 +199,7 @@ def check_paged_attention(
             raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
     if kv_cache.device != query.device:
         raise ValueError(f"kv_cache is on {kv_cache.device} but query is on {query.device}")
+    check_kv_scales(k_scale, v_scale, kv_cache)
     if not torch.compiler.is_compiling():
         _check_index_values(query, kv_cache, cu_seqlens_q, seq_lens, block_table)
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from paged_ops.backends import LayerSpec, get_backend, resolve_backend
 from paged_ops.cache import BlockAllocator, KVCache, OutOfBlocksError, blocks_needed
+from paged_ops.fp8 import fp8_max, is_fp8, resolve_kv_cache_dtype
 from paged_ops.metadata import AttentionMetadata, MetadataBuilder, SequenceSlice
 
 PACKED_STEP = "packed"  # ``pending_step`` after prepare()/prepare_slices(): packed [1, T] inputs
@@ -55,8 +56,16 @@ class PagedAttention(nn.Module):
         max_num_seqs: most sequences per step.
         max_num_tokens: most tokens per step (default ``max(max_model_len, max_num_seqs)``).
         max_model_len: longest sequence (prompt + generated).
-        dtype, device: the cache's (must match the model's q/k/v).
+        dtype, device: the model's q/k/v dtype and device.
         backend: "auto", "reference", "triton" or "flashinfer", resolved per layer.
+        kv_cache_dtype: the cache's dtype: ``None``/"auto" = ``dtype``; "fp8"/"fp8_e4m3"
+            (``torch.float8_e4m3fn``) or "fp8_e5m2" (``torch.float8_e5m2``) store K/V in one byte,
+            quantized with float32 scales per layer and KV head (``k_scales``/``v_scales``
+            ``[L, Hkv]``, default 1.0; see :meth:`set_kv_scales`).
+        calculate_kv_scales: FP8 only: the first step with real tokens measures each layer's and
+            head's amax of K and V and fixes the scales to ``amax / (fp8_max / 2)`` (values up to
+            twice that step's amax are stored unclipped; larger ones later saturate). Costs two
+            small reductions per layer and step. :meth:`recalibrate_kv_scales` measures again.
 
     Example:
         >>> pa = PagedAttention(num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=64,
@@ -82,6 +91,8 @@ class PagedAttention(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         backend: str = "auto",
+        kv_cache_dtype: torch.dtype | str | None = None,
+        calculate_kv_scales: bool = False,
     ) -> None:
         super().__init__()
         if num_q_heads % num_kv_heads:
@@ -93,12 +104,17 @@ class PagedAttention(nn.Module):
             raise ValueError(f"got {len(layers)} layer configs for {num_layers} layers")
         if (num_blocks is None) == (memory_budget_bytes is None):
             raise ValueError("give exactly one of num_blocks and memory_budget_bytes")
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+        if calculate_kv_scales and not is_fp8(self.kv_cache_dtype):
+            raise ValueError(
+                f"calculate_kv_scales=True needs an FP8 cache, got kv_cache_dtype={kv_cache_dtype!r}"
+            )
         geometry = dict(
             num_layers=num_layers,
             block_size=block_size,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            dtype=dtype,
+            dtype=self.kv_cache_dtype,
             device=device,
         )
         if num_blocks is not None:
@@ -108,6 +124,17 @@ class PagedAttention(nn.Module):
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.block_size, self.max_model_len, self.dtype = block_size, max_model_len, dtype
         self.layers = layers
+        # FP8: per layer and KV head scales [L, Hkv] (layer i passes rows [Hkv] to the ops); not
+        # buffers of this module, so a model holding it saves no extra state.
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
+        self.calculate_kv_scales = calculate_kv_scales
+        if is_fp8(self.kv_cache_dtype):
+            with torch.inference_mode(False):
+                ones = torch.ones(num_layers, num_kv_heads, device=self.kv_cache.device)
+                self.k_scales, self.v_scales = ones, ones.clone()
+                # device flag: the next step with real tokens measures the scales (no host sync)
+                self._scales_pending = torch.tensor(calculate_kv_scales, device=ones.device)
         self.allocator = BlockAllocator(self.kv_cache.num_blocks, block_size)
         self.builder = MetadataBuilder(
             max_num_tokens=max_num_tokens or max(max_model_len, max_num_seqs),
@@ -137,6 +164,7 @@ class PagedAttention(nn.Module):
                 num_q_heads=self.num_q_heads,
                 num_kv_heads=self.num_kv_heads,
                 dtype=self.dtype,
+                kv_dtype=self.kv_cache_dtype,
                 causal=cfg.causal,
                 sliding_window=cfg.sliding_window,
                 softcap=cfg.softcap,
@@ -165,6 +193,68 @@ class PagedAttention(nn.Module):
             self.planners.append(planner)
             for i in indices:
                 self.layer_plan_handles[i] = planner.handle
+
+    # ---- FP8 scales ----
+
+    def set_kv_scales(self, k_scales: object, v_scales: object) -> None:
+        """Set the FP8 cache's scales: one value for every layer, or one per layer; each a float or
+        a tensor of 1 or ``Hkv`` elements (per layer or per KV head). Write before the cached
+        tokens they apply to (stored values are not re-quantized)."""
+        if self.k_scales is None or self.v_scales is None:
+            raise ValueError(f"KV scales apply to an FP8 cache; this one is {self.kv_cache_dtype}")
+        for name, given, table in (("k", k_scales, self.k_scales), ("v", v_scales, self.v_scales)):
+            per_layer = (
+                list(given)
+                if isinstance(given, (list, tuple))
+                else [given] * self.kv_cache.num_layers
+            )
+            if len(per_layer) != self.kv_cache.num_layers:
+                raise ValueError(
+                    f"{name}_scales: got {len(per_layer)} values for {self.kv_cache.num_layers} "
+                    "layers"
+                )
+            rows = []
+            for i, value in enumerate(per_layer):
+                row = torch.as_tensor(value, dtype=torch.float32).detach().cpu().reshape(-1)
+                if row.numel() not in (1, self.num_kv_heads):
+                    raise ValueError(
+                        f"{name}_scales[{i}] has {row.numel()} values; expected 1 (per layer) or "
+                        f"Hkv = {self.num_kv_heads} (per KV head)"
+                    )
+                if not (torch.isfinite(row).all() and (row > 0).all()):
+                    raise ValueError(
+                        f"{name}_scales[{i}] must be finite and > 0, got {row.tolist()}"
+                    )
+                rows.append(row.expand(self.num_kv_heads))
+            table.copy_(torch.stack(rows))
+        self._scales_pending.fill_(False)
+
+    def recalibrate_kv_scales(self) -> None:
+        """With ``calculate_kv_scales``: the next step with real tokens measures the scales again
+        (tokens already cached keep the scales they were written with: release them first)."""
+        if not self.calculate_kv_scales:
+            raise ValueError("recalibrate_kv_scales() needs calculate_kv_scales=True")
+        self._scales_pending.fill_(True)
+
+    def _calibrate(
+        self,
+        layer_idx: int,
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        slot_mapping: torch.Tensor,  # [T], -1 = padding (not measured)
+    ) -> None:
+        """While the device flag is set: scale = amax / (fp8_max / 2) per KV head, for heads with
+        a nonzero amax in this step; the last layer clears the flag if the step had a real token.
+        Branch-free, so it compiles into the graph and replays in CUDA graphs."""
+        real = slot_mapping >= 0  # [T]
+        pending = self._scales_pending
+        headroom = fp8_max(self.kv_cache_dtype) / 2
+        for x, table in ((key, self.k_scales), (value, self.v_scales)):
+            amax = torch.where(real[:, None, None], x.abs(), 0).amax(dim=(0, 2)).float()  # [Hkv]
+            row = table[layer_idx]
+            row.copy_(torch.where(pending & (amax > 0), amax / headroom, row))
+        if layer_idx == self.kv_cache.num_layers - 1:
+            pending.copy_(pending & ~real.any())
 
     # ---- per step, outside any compiled region ----
 
@@ -273,7 +363,14 @@ class PagedAttention(nn.Module):
         backend, handle = self.layer_backends[layer_idx], self.layer_plan_handles[layer_idx]
         if md.has_padding_queries:
             backend, handle = self.padding_backends[layer_idx], -1
-        torch.ops.paged_ops.write_kv.default(key, value, cache, md.slot_mapping, self.write_backend)
+        k_scale = v_scale = None
+        if self.k_scales is not None and self.v_scales is not None:
+            if self.calculate_kv_scales:
+                self._calibrate(layer_idx, key, value, md.slot_mapping)
+            k_scale, v_scale = self.k_scales[layer_idx], self.v_scales[layer_idx]  # [Hkv]
+        torch.ops.paged_ops.write_kv.default(
+            key, value, cache, md.slot_mapping, k_scale, v_scale, self.write_backend
+        )
         return torch.ops.paged_ops.paged_attention.default(
             query,
             cache,
@@ -286,6 +383,8 @@ class PagedAttention(nn.Module):
             float(cfg.softcap or 0.0),
             sinks,
             alibi_slopes,
+            k_scale,
+            v_scale,
             backend,
             handle,
         )

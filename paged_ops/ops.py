@@ -15,12 +15,13 @@ from paged_ops.checks import check_paged_attention, check_write_kv
 
 _lib = torch.library.Library("paged_ops", "DEF")  # noqa: TOR901 (kept alive for the process)
 _lib.define(
-    "write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, str backend) -> ()"
+    "write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? k_scale, "
+    "Tensor? v_scale, str backend) -> ()"
 )
 _lib.define(
     "paged_attention(Tensor query, Tensor kv_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
     "Tensor block_table, float scale, bool causal, int window, float softcap, Tensor? sinks, "
-    "Tensor? alibi_slopes, str backend, int plan_handle) -> Tensor"
+    "Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, str backend, int plan_handle) -> Tensor"
 )
 
 
@@ -29,9 +30,11 @@ def _write_kv_impl(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
     backend: str,
 ) -> None:
-    get_backend(backend).write_kv(key, value, kv_cache, slot_mapping)
+    get_backend(backend).write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def _paged_attention_impl(
@@ -46,6 +49,8 @@ def _paged_attention_impl(
     softcap: float,
     sinks: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
     backend: str,
     plan_handle: int,
 ) -> torch.Tensor:
@@ -61,6 +66,8 @@ def _paged_attention_impl(
         softcap=softcap,
         sinks=sinks,
         alibi_slopes=alibi_slopes,
+        k_scale=k_scale,
+        v_scale=v_scale,
         plan_handle=plan_handle,
     )
 
@@ -94,7 +101,7 @@ def _inference_only_backward_fake(grad):  # noqa: ANN001
 
 def _attention_backward(ctx: object, grad: torch.Tensor) -> tuple:
     grad_query = torch.ops.paged_ops.inference_only_backward.default(grad)
-    return (grad_query,) + (None,) * 12
+    return (grad_query,) + (None,) * 14
 
 
 def _save_nothing(ctx: object, inputs: tuple, output: object) -> None:
@@ -114,18 +121,22 @@ def _write_kv_autograd(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
     backend: str,
 ) -> None:
     # A mutating op cannot have an autograd formula; run it below autograd (values only).
     with torch._C._AutoDispatchBelowAutograd():
-        torch.ops.paged_ops.write_kv.default(key, value, kv_cache, slot_mapping, backend)
+        torch.ops.paged_ops.write_kv.default(
+            key, value, kv_cache, slot_mapping, k_scale, v_scale, backend
+        )
 
 
 _lib.impl("write_kv", _write_kv_autograd, "Autograd")
 
 
 @torch.library.register_fake("paged_ops::write_kv", lib=_lib)
-def _write_kv_fake(key, value, kv_cache, slot_mapping, backend):  # noqa: ANN001
+def _write_kv_fake(key, value, kv_cache, slot_mapping, k_scale, v_scale, backend):  # noqa: ANN001
     return None
 
 
@@ -150,25 +161,32 @@ def write_kv(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> None:
     """Write this step's keys and values into one layer's paged cache, in place.
 
     Args:
-        key, value: ``[T, Hkv, D]``, same dtype as the cache.
+        key, value: ``[T, Hkv, D]``, the cache's dtype; any float dtype for an FP8 cache.
         kv_cache: ``[num_blocks, 2, block_size, Hkv, D]``; ``[:, 0]`` keys, ``[:, 1]`` values.
+            float16/bfloat16/float32, or float8_e4m3fn/float8_e5m2 (quantized, see
+            :mod:`paged_ops.fp8`).
         slot_mapping: ``[T]`` int64, ``block_id * block_size + offset`` per token; ``-1`` skips it.
+        k_scale, v_scale: FP8 cache only: float32 ``[]`` (per layer) or ``[Hkv]`` (per KV head);
+            stored = saturate(x / scale) rounded to the cache dtype. ``None`` = 1.0.
         backend: "auto", "reference", "triton" or "flashinfer".
     """
-    check_write_kv(key, value, kv_cache, slot_mapping)
+    check_write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     spec = LayerSpec(
         head_dim=key.shape[2],
         num_q_heads=key.shape[1],
         num_kv_heads=key.shape[1],
-        dtype=kv_cache.dtype,
+        dtype=key.dtype,
+        kv_dtype=kv_cache.dtype,
     )
     name = _resolve(backend, spec, kv_cache.device)
-    torch.ops.paged_ops.write_kv.default(key, value, kv_cache, slot_mapping, name)
+    torch.ops.paged_ops.write_kv.default(key, value, kv_cache, slot_mapping, k_scale, v_scale, name)
 
 
 def paged_attention(
@@ -184,6 +202,8 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of packed, variable-length queries over a paged KV cache.
@@ -194,7 +214,8 @@ def paged_attention(
 
     Args:
         query: ``[T, Hq, D]``, sequence-major packing of every sequence's new tokens.
-        kv_cache: ``[num_blocks, 2, block_size, Hkv, D]``, same dtype as query; ``Hq % Hkv == 0``.
+        kv_cache: ``[num_blocks, 2, block_size, Hkv, D]``, same dtype as query, or FP8
+            (float8_e4m3fn/float8_e5m2, read as ``stored * scale``); ``Hq % Hkv == 0``.
         cu_seqlens_q: ``[S+1]`` int32 query offsets; tokens past ``cu_seqlens_q[-1]`` are padding.
         seq_lens: ``[S]`` int32 KV length of each sequence after this step's write.
         block_table: ``[S, max_blocks]`` int32 block ids of each sequence, in order.
@@ -204,6 +225,7 @@ def paged_attention(
         softcap: ``c * tanh(x / c)`` on each scaled score; ``None`` = off.
         sinks: ``[Hq]`` float32, one extra logit per head in the softmax denominator.
         alibi_slopes: ``[Hq]`` float32, adds ``slope_h * (j - p)`` to each score.
+        k_scale, v_scale: FP8 cache only: float32 ``[]`` or ``[Hkv]``; ``None`` = 1.0.
         backend: "auto", "reference", "triton" or "flashinfer".
 
     Returns:
@@ -223,12 +245,15 @@ def paged_attention(
         softcap=softcap,
         sinks=sinks,
         alibi_slopes=alibi_slopes,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     spec = LayerSpec(
         head_dim=query.shape[2],
         num_q_heads=query.shape[1],
         num_kv_heads=kv_cache.shape[3],
         dtype=query.dtype,
+        kv_dtype=kv_cache.dtype,
         causal=causal,
         sliding_window=sliding_window,
         softcap=softcap or None,
@@ -248,6 +273,8 @@ def paged_attention(
         float(softcap or 0.0),
         sinks,
         alibi_slopes,
+        k_scale,
+        v_scale,
         name,
         -1,
     )

@@ -40,7 +40,15 @@ def test_opcheck_on_cuda():
     )
     torch.library.opcheck(
         torch.ops.paged_ops.write_kv.default,
-        (batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, "reference"),
+        (
+            batch.new_key,
+            batch.new_value,
+            batch.kv_cache,
+            batch.slot_mapping,
+            None,
+            None,
+            "reference",
+        ),
     )
     torch.library.opcheck(
         torch.ops.paged_ops.paged_attention.default,
@@ -54,6 +62,8 @@ def test_opcheck_on_cuda():
             True,
             0,
             0.0,
+            None,
+            None,
             None,
             None,
             "reference",

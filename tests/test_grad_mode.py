@@ -75,7 +75,7 @@ def test_opcheck_with_inputs_that_require_grad() -> None:
     batch = _requiring_grad(_batch())
     paged_ops.write_kv(batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping)
     args = (batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
-            0.2, True, 0, 0.0, None, None, "reference", -1)  # fmt: skip
+            0.2, True, 0, 0.0, None, None, None, None, "reference", -1)  # fmt: skip
     torch.library.opcheck(
         torch.ops.paged_ops.paged_attention.default,
         args,

@@ -8,7 +8,10 @@ import paged_ops
 
 
 def op_args(batch, **overrides):
-    args = dict(scale=0.125, causal=True, window=0, softcap=0.0, sinks=None, alibi_slopes=None)
+    args = dict(
+        scale=0.125, causal=True, window=0, softcap=0.0, sinks=None, alibi_slopes=None,
+        k_scale=None, v_scale=None, backend="reference",
+    )  # fmt: skip
     args.update(overrides)
     return (
         batch.query,
@@ -22,7 +25,9 @@ def op_args(batch, **overrides):
         args["softcap"],
         args["sinks"],
         args["alibi_slopes"],
-        "reference",
+        args["k_scale"],
+        args["v_scale"],
+        args["backend"],
         -1,
     )
 
@@ -40,7 +45,15 @@ def test_opcheck_write_kv(dtype):
     )
     torch.library.opcheck(
         torch.ops.paged_ops.write_kv.default,
-        (batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, "reference"),
+        (
+            batch.new_key,
+            batch.new_value,
+            batch.kv_cache,
+            batch.slot_mapping,
+            None,
+            None,
+            "reference",
+        ),
     )
 
 

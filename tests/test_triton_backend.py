@@ -268,12 +268,12 @@ def test_opcheck_triton_ops():
     )
     torch.library.opcheck(
         torch.ops.paged_ops.write_kv.default,
-        (batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, "triton"),
+        (batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, None, None, "triton"),
     )
     args = (batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table)
     torch.library.opcheck(
         torch.ops.paged_ops.paged_attention.default,
-        (*args, 0.25, True, 3, 4.0, torch.zeros(4), None, "triton", -1),
+        (*args, 0.25, True, 3, 4.0, torch.zeros(4), None, None, None, "triton", -1),
     )
 
 

@@ -237,11 +237,11 @@ def test_opcheck_on_cuda():
     )
     torch.library.opcheck(
         torch.ops.paged_ops.write_kv.default,
-        (batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, "triton"),
+        (batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, None, None, "triton"),
     )
     args = (batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table)
     sinks = torch.zeros(4, device="cuda")
     torch.library.opcheck(
         torch.ops.paged_ops.paged_attention.default,
-        (*args, 0.125, True, 8, 0.0, sinks, None, "triton", -1),
+        (*args, 0.125, True, 8, 0.0, sinks, None, None, None, "triton", -1),
     )

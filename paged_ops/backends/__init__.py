@@ -5,9 +5,12 @@ A backend is a module under ``paged_ops.backends`` that exposes
 - ``is_available() -> bool``: can it run on this machine at all (imports, devices)?
 - ``unsupported_reason(spec: LayerSpec, device: torch.device) -> str | None``: ``None`` when it can
   serve a layer with these parameters on that device, else a sentence saying why not.
-- ``write_kv(key, value, kv_cache, slot_mapping) -> None``
+- ``write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale) -> None``
 - ``paged_attention(query, kv_cache, cu_seqlens_q, seq_lens, block_table, *, scale, causal,
-  window, softcap, sinks, alibi_slopes, plan_handle) -> Tensor``
+  window, softcap, sinks, alibi_slopes, k_scale, v_scale, plan_handle) -> Tensor``
+
+An FP8 cache (``float8_e4m3fn``/``float8_e5m2``) comes with float32 ``k_scale``/``v_scale`` of shape
+``[]`` or ``[Hkv]`` (or ``None`` = 1.0); :mod:`paged_ops.fp8` defines the quantization.
 
 Modules load lazily, so ``import paged_ops`` needs only torch: triton and flashinfer are imported
 the first time their backend is asked for.
@@ -37,13 +40,15 @@ class LayerSpec:
 
     Per-layer constants of a model: they are baked into a compiled trace, never per-step tensors.
     ``sliding_window`` and ``softcap`` are ``None`` when off; ``has_sinks``/``has_alibi`` say whether
-    the call carries those tensors.
+    the call carries those tensors. ``dtype`` is the query's (and K/V's) dtype, ``kv_dtype`` the
+    cache's (``None``: the same; an FP8 dtype for a quantized cache).
     """
 
     head_dim: int
     num_q_heads: int
     num_kv_heads: int
     dtype: torch.dtype
+    kv_dtype: torch.dtype | None = None
     causal: bool = True
     sliding_window: int | None = None
     softcap: float | None = None

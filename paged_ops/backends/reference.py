@@ -4,7 +4,8 @@ Each sequence's blocks are gathered into a contiguous K/V, scores are computed i
 contract of ARCHITECTURE.md is applied literally: scale, softcap, ALiBi, causal and sliding-window
 masks, optional attention sinks. A query row that sees no key (a padding query at a negative position,
 ``q_len > seq_len``, or any query of a sequence with ``seq_len == 0``) reads exact zeros, never NaN:
-with sinks too, since the sink's value vector is zero.
+with sinks too, since the sink's value vector is zero. An FP8 cache is written with
+:func:`paged_ops.fp8.quantize` and read with :func:`paged_ops.fp8.dequantize` (float32).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from paged_ops.backends import LayerSpec
+from paged_ops.fp8 import dequantize, is_fp8, quantize
 
 
 def is_available() -> bool:
@@ -27,13 +29,18 @@ def write_kv(
     value: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    k_scale: torch.Tensor | None = None,  # [] or [Hkv] float32 (FP8 cache)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     block_size = kv_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, 0, offsets] = key[valid].to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = value[valid].to(kv_cache.dtype)
+    for i, (new, scale) in enumerate(((key, k_scale), (value, v_scale))):
+        new = new[valid]  # [T', Hkv, D]
+        if is_fp8(kv_cache.dtype):
+            new = quantize(new, scale, kv_cache.dtype)
+        kv_cache[blocks, i, offsets] = new.to(kv_cache.dtype)
 
 
 def paged_attention(
@@ -49,6 +56,8 @@ def paged_attention(
     softcap: float,  # <= 0: no softcap
     sinks: torch.Tensor | None,  # [Hq] float32
     alibi_slopes: torch.Tensor | None,  # [Hq] float32
+    k_scale: torch.Tensor | None = None,  # [] or [Hkv] float32 (FP8 cache)
+    v_scale: torch.Tensor | None = None,
     plan_handle: int = -1,
 ) -> torch.Tensor:  # [T, Hq, D]
     num_q_heads, head_dim = query.shape[1], query.shape[2]
@@ -64,8 +73,8 @@ def paged_attention(
         num_blocks = -(-kv_len // block_size)
         blocks = block_table[s, :num_blocks].long()
         # gather this sequence's pages: [kv_len, Hkv, D] -> expand GQA -> [kv_len, Hq, D]
-        k = kv_cache[blocks, 0].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
-        v = kv_cache[blocks, 1].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
+        k = dequantize(kv_cache[blocks, 0].reshape(-1, num_kv_heads, head_dim)[:kv_len], k_scale)
+        v = dequantize(kv_cache[blocks, 1].reshape(-1, num_kv_heads, head_dim)[:kv_len], v_scale)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         q = query[q_start:q_end].float()  # [q_len, Hq, D]

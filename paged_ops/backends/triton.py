@@ -3,7 +3,12 @@
 Runs on CUDA GPUs, and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set before
 this module is imported), which is how CI tests the kernels. Head sizes 1..256 (padded to a power of
 two of at least 16 inside the kernels), any GQA group, any block size, float16/bfloat16/float32
-(float32 uses IEEE dots, not TF32), sliding window, softcap, sinks and ALiBi.
+(float32 uses IEEE dots, not TF32), sliding window, softcap, sinks and ALiBi, and FP8 caches
+(float8_e4m3fn/float8_e5m2 with per-layer or per-head scales: the write kernel quantizes, the
+attention kernel converts each K/V tile to the query's dtype in registers, k_scale joins the softmax
+scale and v_scale the output). The interpreter's own fp8 conversions lose subnormals and round wrongly
+across a binade, so the write kernel rounds with integer arithmetic everywhere and, under the
+interpreter only, the attention kernel reads the cache as uint8 bit patterns and decodes them by hand.
 
 Every launch decision reads shapes only (``T``, ``S``, the block-table width), never tensor values,
 so a call is free of host syncs and can be compiled and CUDA-graph captured; a captured graph keeps
@@ -22,6 +27,7 @@ import triton
 
 from paged_ops.backends import LayerSpec
 from paged_ops.backends import triton_kernels as kernels
+from paged_ops.fp8 import fp8_format, is_fp8
 
 MAX_HEAD_DIM = 256
 MAX_SEGMENTS = 64  # batch 1 x 16k: 8 KV heads x 64 segments ~ 4 waves on 132 SMs
@@ -47,6 +53,13 @@ def unsupported_reason(spec: LayerSpec, device: torch.device) -> str | None:
         return f"head size {spec.head_dim} is outside 1..{MAX_HEAD_DIM}"
     if device.type == "cpu" and spec.dtype == torch.bfloat16:
         return "the Triton interpreter computes bfloat16 dots wrongly; use float16/float32 on CPU"
+    if (
+        spec.kv_dtype is not None
+        and is_fp8(spec.kv_dtype)
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < (8, 9)
+    ):
+        return "an FP8 cache needs compute capability 8.9 or newer (Ada, Hopper)"
     return None
 
 
@@ -59,6 +72,8 @@ def write_kv(
     value: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    k_scale: torch.Tensor | None = None,  # [] or [Hkv] fp32 (FP8 cache)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -68,15 +83,28 @@ def write_kv(
         value,
         kv_cache,
         slot_mapping,
+        k_scale if k_scale is not None else slot_mapping,  # (a stand-in, never read)
+        v_scale if v_scale is not None else slot_mapping,
         *key.stride(),
         *value.stride(),
         *kv_cache.stride(),
+        _scale_stride(k_scale),
+        _scale_stride(v_scale),
         kv_cache.shape[2],
         num_kv_heads,
         head_dim,
         H_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=_d_pad(head_dim),
+        QUANTIZE=is_fp8(kv_cache.dtype),
+        USE_K_SCALE=k_scale is not None,
+        USE_V_SCALE=v_scale is not None,
+        **fp8_format(kv_cache.dtype),
     )
+
+
+def _scale_stride(scale: torch.Tensor | None) -> int:
+    """0 for a per-layer scale ``[]`` (every head reads element 0), 1 for a per-head ``[Hkv]``."""
+    return 0 if scale is None or scale.dim() == 0 else 1
 
 
 @dataclass(frozen=True)
@@ -150,6 +178,8 @@ def paged_attention(
     softcap: float,  # <= 0: off
     sinks: torch.Tensor | None,  # [Hq] fp32
     alibi_slopes: torch.Tensor | None,  # [Hq] fp32
+    k_scale: torch.Tensor | None = None,  # [] or [Hkv] fp32 (FP8 cache)
+    v_scale: torch.Tensor | None = None,
     plan_handle: int = -1,
     num_segments: int | None = None,
     config: LaunchConfig | None = None,
@@ -195,18 +225,25 @@ def paged_attention(
     else:
         part_m = part_l = target = out
     dummy = cu_seqlens_q  # stands in for absent optional tensors (never read)
+    fp8 = fp8_format(kv_cache.dtype)
+    decode_bits = is_fp8(kv_cache.dtype) and _interpreting()
+    cache_arg = kv_cache.view(torch.uint8) if decode_bits else kv_cache
     grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads, nseg)
     kernels.paged_attention_kernel[grid](
         target,
         part_m,
         part_l,
         query,
-        kv_cache,
+        cache_arg,
         cu_seqlens_q,
         seq_lens,
         block_table,
         sinks if sinks is not None else dummy,
         alibi_slopes if alibi_slopes is not None else dummy,
+        k_scale if k_scale is not None else dummy,
+        v_scale if v_scale is not None else dummy,
+        _scale_stride(k_scale),
+        _scale_stride(v_scale),
         float(scale),
         float(softcap),
         int(window),
@@ -232,6 +269,12 @@ def paged_attention(
         USE_ALIBI=alibi_slopes is not None,
         NUM_SEGMENTS=nseg,
         IEEE_DOT=query.dtype == torch.float32,
+        USE_K_SCALE=k_scale is not None,
+        USE_V_SCALE=v_scale is not None,
+        FP8_BITS=decode_bits,
+        FP8_MAN=fp8["FP8_MAN"],
+        FP8_BIAS=fp8["FP8_BIAS"],
+        FP8_SUB_ULP=fp8["FP8_SUB_ULP"],
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

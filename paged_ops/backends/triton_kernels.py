@@ -25,11 +25,78 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def _round_to_fp8(
+    x,  # fp32
+    FP8_MAX: tl.constexpr,
+    FP8_MAN: tl.constexpr,  # mantissa bits: 3 (e4m3) or 2 (e5m2)
+    FP8_MIN_NORMAL: tl.constexpr,  # 2^(1 - bias)
+    FP8_SUB_ULP: tl.constexpr,  # 2^(1 - bias - mantissa bits): spacing of the subnormals
+):
+    """fp32 -> the fp32 value of the nearest FP8 value (ties to even), saturated to +-FP8_MAX.
+
+    Done with integer arithmetic so the result is exact on the GPU and under the interpreter
+    (whose own fp32 -> fp8 conversion rounds wrongly across a binade); storing the result to an
+    FP8 pointer is then an exact conversion.
+    """
+    sign = (x.to(tl.int32, bitcast=True) >> 31) << 31
+    a = tl.minimum(tl.abs(x), FP8_MAX)
+    # normal range: round the fp32 mantissa to FP8_MAN bits, ties to even (a carry bumps the exponent)
+    bits = a.to(tl.int32, bitcast=True)
+    bits = bits + ((1 << (22 - FP8_MAN)) - 1) + ((bits >> (23 - FP8_MAN)) & 1)
+    normal = (bits & -(1 << (23 - FP8_MAN))).to(tl.float32, bitcast=True)
+    # subnormal range: a multiple of FP8_SUB_ULP, rounded half to even (all exact in fp32)
+    y = tl.minimum(a, FP8_MIN_NORMAL) / FP8_SUB_ULP  # (capped: a large a would overflow int32)
+    t = y.to(tl.int32)
+    frac = y - t.to(tl.float32)
+    t = t + ((frac > 0.5) | ((frac == 0.5) & ((t & 1) == 1))).to(tl.int32)
+    r = tl.where(a < FP8_MIN_NORMAL, t.to(tl.float32) * FP8_SUB_ULP, normal)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_bits_to_float(
+    b,  # uint8 bit patterns
+    FP8_MAN: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_SUB_ULP: tl.constexpr,
+):
+    """FP8 bit patterns -> fp32, by hand (the interpreter's fp8 conversion loses subnormals).
+    Only used under the interpreter; the GPU converts in hardware. No NaN/inf: writes saturate."""
+    b = b.to(tl.int32)
+    man = b & ((1 << FP8_MAN) - 1)
+    e = (b >> FP8_MAN) & ((1 << (7 - FP8_MAN)) - 1)
+    normal = (((e + (127 - FP8_BIAS)) << 23) | (man << (23 - FP8_MAN))).to(tl.float32, bitcast=True)
+    r = tl.where(e == 0, man.to(tl.float32) * FP8_SUB_ULP, normal)
+    return tl.where(b >= 128, -r, r)
+
+
+@triton.jit
+def _load_kv(
+    ptrs,
+    mask,
+    dtype: tl.constexpr,
+    FP8_BITS: tl.constexpr,
+    FP8_MAN: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_SUB_ULP: tl.constexpr,
+):
+    """Load a K or V tile and convert it (unscaled) to ``dtype``, the query's dtype.
+    FP8_BITS: the cache tensor holds FP8 bit patterns as uint8 (interpreter) to decode by hand."""
+    if FP8_BITS:
+        x = _fp8_bits_to_float(tl.load(ptrs, mask=mask, other=0), FP8_MAN, FP8_BIAS, FP8_SUB_ULP)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x.to(dtype)
+
+
+@triton.jit
 def write_kv_kernel(
     key_ptr,  # [T, Hkv, D]
     value_ptr,  # [T, Hkv, D]
     cache_ptr,  # [N, 2, B, Hkv, D]
     slot_ptr,  # [T] int64, -1 = skip
+    k_scale_ptr,  # [] or [Hkv] fp32 (FP8 cache)
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -41,11 +108,20 @@ def write_kv_kernel(
     stride_cb,
     stride_ch,
     stride_cd,
+    stride_ks,  # 0: one scale per layer, 1: one per KV head
+    stride_vs,
     block_size,
     num_kv_heads,
     head_dim,
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # FP8 cache: stored = saturate(x / scale) rounded to nearest even
+    USE_K_SCALE: tl.constexpr,
+    USE_V_SCALE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MAN: tl.constexpr,
+    FP8_MIN_NORMAL: tl.constexpr,
+    FP8_SUB_ULP: tl.constexpr,
 ):
     # One program per token moves all of its heads: [H_PAD, D_PAD] tiles of K and V.
     token = tl.program_id(0).to(tl.int64)
@@ -61,8 +137,22 @@ def write_kv_kernel(
     v_src = (
         value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd
     )
-    tl.store(dst, tl.load(k_src, mask=mask), mask=mask)
-    tl.store(dst + stride_ckv, tl.load(v_src, mask=mask), mask=mask)
+    k = tl.load(k_src, mask=mask)
+    v = tl.load(v_src, mask=mask)
+    if QUANTIZE:
+        h_mask = offs_h < num_kv_heads
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        if USE_K_SCALE:
+            ks = tl.load(k_scale_ptr + offs_h * stride_ks, mask=h_mask, other=1.0)
+            k = tl.div_rn(k, ks[:, None])
+        if USE_V_SCALE:
+            vs = tl.load(v_scale_ptr + offs_h * stride_vs, mask=h_mask, other=1.0)
+            v = tl.div_rn(v, vs[:, None])
+        k = _round_to_fp8(k, FP8_MAX, FP8_MAN, FP8_MIN_NORMAL, FP8_SUB_ULP)
+        v = _round_to_fp8(v, FP8_MAX, FP8_MAN, FP8_MIN_NORMAL, FP8_SUB_ULP)
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -108,6 +198,10 @@ def paged_attention_kernel(
     block_table_ptr,  # [S, W] int32
     sinks_ptr,  # [Hq] fp32
     alibi_ptr,  # [Hq] fp32
+    k_scale_ptr,  # [] or [Hkv] fp32 (FP8 cache)
+    v_scale_ptr,
+    stride_ks,  # 0: one scale per layer, 1: one per KV head
+    stride_vs,
     scale,
     softcap,
     window,
@@ -139,6 +233,12 @@ def paged_attention_kernel(
     USE_ALIBI: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    USE_K_SCALE: tl.constexpr,
+    USE_V_SCALE: tl.constexpr,
+    FP8_BITS: tl.constexpr,  # cache given as uint8 FP8 bit patterns (interpreter): decode by hand
+    FP8_MAN: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_SUB_ULP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -204,6 +304,9 @@ def paged_attention_kernel(
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head)  # [BLOCK_M]
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    # FP8 cache: read = stored * scale. k_scale joins the softmax scale, v_scale the output.
+    if USE_K_SCALE:
+        scale = scale * tl.load(k_scale_ptr + kv_head * stride_ks)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     kv_base = cache_ptr + kv_head * stride_ch
 
@@ -213,13 +316,12 @@ def paged_attention_kernel(
         blk = tl.load(table_row + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
         offs_kv = blk * stride_cn + (offs_n % block_size) * stride_cb  # [TILE_N]
         kv_mask = n_valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            kv_base + offs_kv[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0
+        kv_ptrs = kv_base + offs_kv[:, None] + offs_d[None, :] * stride_cd
+        k = _load_kv(
+            kv_ptrs, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
         )  # [TILE_N, D_PAD]
-        v = tl.load(
-            kv_base + stride_ckv + offs_kv[:, None] + offs_d[None, :] * stride_cd,
-            mask=kv_mask,
-            other=0.0,
+        v = _load_kv(
+            kv_ptrs + stride_ckv, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
         )  # [TILE_N, D_PAD]
         s = _dot(q, tl.trans(k), IEEE_DOT)
         s = s * scale  # [BLOCK_M, TILE_N] fp32
@@ -243,6 +345,8 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
         m_i = m_new
 
+    if USE_V_SCALE:
+        acc = acc * tl.load(v_scale_ptr + kv_head * stride_vs)
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row that sees no key reads zeros
         ptrs = out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
