@@ -361,7 +361,7 @@ class PagedRows:
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
-        data = self.pa.kv_cache.data  # [L, N, 2, block, Hkv, D]
+        data = self.pa.kv_cache.data.view(torch.uint8)  # [L, N, 2, block, Hkv, D * itemsize] bytes
         src = torch.tensor([s for s, _ in pairs], device=data.device)
         dst = torch.tensor([d for _, d in pairs], device=data.device)
         data.index_copy_(1, dst, data.index_select(1, src))
@@ -369,7 +369,8 @@ class PagedRows:
     def _share_identical_prompts(self) -> None:
         """Rows whose full blocks hold bit-identical keys and values share them (a duplicated
         prompt, as ``num_return_sequences`` and beam search expand the batch before the prefill)."""
-        bs, allocator, data = self.pa.block_size, self.pa.allocator, self.pa.kv_cache.data
+        bs, allocator = self.pa.block_size, self.pa.allocator
+        data = self.pa.kv_cache.data.view(torch.uint8)  # bytes: any dtype, FP8 included
         for b in range(1, self.num_rows):
             a = b - 1
             full = self.lens[b] // bs

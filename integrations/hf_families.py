@@ -158,11 +158,14 @@ def new_paged_attention(
     max_num_seqs: int = 256,
     max_model_len: int | None = None,
     max_num_tokens: int | None = None,
+    kv_cache_dtype: torch.dtype | str | None = None,
+    calculate_kv_scales: bool = False,
 ) -> PagedAttention:
     """A PagedAttention for a model with these attention modules (defaults sized from config).
 
     Defaults: ``max_model_len = min(max_position_embeddings, 4096)``; ``num_blocks`` holds
-    ``min(max_num_seqs, 8)`` sequences of ``max_model_len`` tokens.
+    ``min(max_num_seqs, 8)`` sequences of ``max_model_len`` tokens. An FP8 cache takes the
+    checkpoint's KV scales when its attention modules carry them (:func:`checkpoint_kv_scales`).
     """
     if max_model_len is None:
         max_model_len = min(
@@ -174,7 +177,7 @@ def new_paged_attention(
             max_num_seqs, DEFAULT_CACHE_SEQS
         )
     with torch.inference_mode(False):  # a cache made under inference_mode must serve later too
-        return PagedAttention(
+        pa = PagedAttention(
             num_layers=len(modules),
             num_q_heads=config.num_attention_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
@@ -188,4 +191,32 @@ def new_paged_attention(
             dtype=dtype,
             device=device,
             backend=backend,
+            kv_cache_dtype=kv_cache_dtype,
+            calculate_kv_scales=calculate_kv_scales,
         )
+        scales = checkpoint_kv_scales(modules) if pa.k_scales is not None else None
+        if scales is not None:
+            pa.set_kv_scales(*scales)
+            if calculate_kv_scales:  # measuring overrides the checkpoint's
+                pa.recalibrate_kv_scales()
+        return pa
+
+
+def checkpoint_kv_scales(modules: list[nn.Module]) -> tuple[list, list] | None:
+    """The KV-cache scales a quantized checkpoint stores on its attention modules, or ``None``.
+
+    Read as compressed-tensors / llm-compressor FP8 checkpoints carry them through transformers:
+    ``self_attn.k_scale``/``v_scale`` (a tensor of 1 or Hkv values), or the older
+    ``self_attn.k_proj.output_scale``/``v_proj.output_scale``. Every layer must have both.
+    """
+    found: tuple[list, list] = ([], [])
+    for module in modules:
+        for i, name in enumerate(("k", "v")):
+            scale = getattr(module, f"{name}_scale", None)
+            if scale is None:
+                proj = getattr(module, f"{name}_proj", None)
+                scale = getattr(proj, "output_scale", None) if proj is not None else None
+            if scale is None or getattr(scale, "is_meta", False):
+                return None
+            found[i].append(torch.as_tensor(scale).detach().float().cpu())
+    return found

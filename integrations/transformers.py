@@ -135,6 +135,8 @@ def patch_model(
     max_model_len: int | None = None,
     strict: bool = True,
     max_num_tokens: int | None = None,
+    kv_cache_dtype: torch.dtype | str | None = None,
+    calculate_kv_scales: bool = False,
 ) -> PagedAttention | None:
     """Switch a Hugging Face causal LM to paged-KV-cache attention; return its PagedAttention.
 
@@ -149,6 +151,12 @@ def patch_model(
         max_num_tokens: most tokens per packed step; default ``max(max_model_len, max_num_seqs)``.
         strict: raise ``ValueError`` for a model that cannot be served; with ``False``, warn and
             return ``None``, leaving the model untouched.
+        kv_cache_dtype: ``None``/"auto" (the model's dtype), "fp8"/"fp8_e4m3" or "fp8_e5m2" (or the
+            torch dtype): an FP8 cache holds twice the tokens per byte. Its scales come from the
+            checkpoint when the attention modules carry ``k_scale``/``v_scale``, else 1.0.
+        calculate_kv_scales: FP8 only: the first step with real tokens measures per-layer,
+            per-head K/V amax and fixes the scales (see :class:`PagedAttention`); later tokens
+            beyond twice that range saturate.
 
     The cache has the model's parameter dtype and device (patch after ``.to(device)``). The model
     keeps working as a transformers model (``model(...)``, ``generate``); it patches a private
@@ -180,6 +188,8 @@ def patch_model(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         max_num_tokens=max_num_tokens,
+        kv_cache_dtype=kv_cache_dtype,
+        calculate_kv_scales=calculate_kv_scales,
     )
     if binding is not None:
         unbind(

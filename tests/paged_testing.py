@@ -274,10 +274,12 @@ def write_and_attend(
     config: object = None,
     **kwargs: object,
 ):
-    """``paged_ops.write_kv`` of the batch's new K/V through ``backend``, then :func:`attend`."""
+    """``paged_ops.write_kv`` of the batch's new K/V through ``backend``, then :func:`attend`
+    (``k_scale``/``v_scale`` in kwargs go to both)."""
     paged_ops.write_kv(
-        batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend=backend
-    )
+        batch.new_key, batch.new_value, batch.kv_cache, batch.slot_mapping, backend=backend,
+        k_scale=kwargs.get("k_scale"), v_scale=kwargs.get("v_scale"),
+    )  # fmt: skip
     return attend(batch, backend, num_segments, config, **kwargs)
 
 
@@ -306,6 +308,42 @@ def attend(
         softcap=kwargs.get("softcap") or 0.0,
         sinks=kwargs.get("sinks"),
         alibi_slopes=kwargs.get("alibi_slopes"),
+        k_scale=kwargs.get("k_scale"),
+        v_scale=kwargs.get("v_scale"),
         num_segments=num_segments,
         config=config,
     )  # fmt: skip
+
+
+def quantized_batch(
+    batch: PagedBatch,
+    fp8_dtype: torch.dtype,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> PagedBatch:
+    """``batch`` on an FP8 cache: the context is quantized into it (``paged_ops.fp8.quantize``),
+    the new K/V stay float for ``write_kv`` to quantize, and ``keys``/``values`` become the
+    dequantized values an exact kernel attends over (dense on this batch: the dequantized cache;
+    dense on ``batch``: the unquantized K/V)."""
+    from paged_ops.fp8 import dequantize, quantize
+
+    cache = torch.empty(batch.kv_cache.shape, dtype=fp8_dtype, device=batch.kv_cache.device)
+    cache[:, 0] = quantize(batch.kv_cache[:, 0], k_scale, fp8_dtype)
+    cache[:, 1] = quantize(batch.kv_cache[:, 1], v_scale, fp8_dtype)
+
+    def roundtrip(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        return dequantize(quantize(x, scale, fp8_dtype), scale)
+
+    return PagedBatch(
+        query=batch.query,
+        new_key=batch.new_key,
+        new_value=batch.new_value,
+        slot_mapping=batch.slot_mapping,
+        kv_cache=cache,
+        cu_seqlens_q=batch.cu_seqlens_q,
+        seq_lens=batch.seq_lens,
+        block_table=batch.block_table,
+        keys=[roundtrip(k, k_scale) for k in batch.keys],
+        values=[roundtrip(v, v_scale) for v in batch.values],
+        q_lens=batch.q_lens,
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from paged_ops.engine.runner import ModelRunner
 from paged_ops.engine.sampler import SamplingBatch, sample
 from paged_ops.engine.scheduler import ScheduledBatch, Scheduler
 from paged_ops.engine.scheduler import Sequence as Seq
+from paged_ops.fp8 import resolve_kv_cache_dtype
 from paged_ops.module import PagedAttention
 
 _CPU_KV_BYTES = 1 << 30  # default KV budget on CPU
@@ -44,8 +46,25 @@ def _token_ids(value: Any) -> set[int]:
     return {int(v) for v in value} if isinstance(value, (list, tuple, set)) else {int(value)}
 
 
+def _cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    return KVCache.bytes_per_block(
+        num_layers=cfg.num_hidden_layers,
+        block_size=block_size,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        dtype=dtype,
+    )
+
+
 def _profile_num_blocks(
-    model: nn.Module, *, block_size: int, max_num_tokens: int, max_num_seqs: int, util: float
+    model: nn.Module,
+    *,
+    block_size: int,
+    max_num_tokens: int,
+    max_num_seqs: int,
+    util: float,
+    cache_dtype: torch.dtype,
 ) -> int:
     """KV blocks that fit on the GPU: ``util`` x total memory, less what a warm-up forward uses."""
     cfg, param = model.config, next(model.parameters())
@@ -63,14 +82,7 @@ def _profile_num_blocks(
     # logits and the sampler's float32 work tensors of a full decode step, plus graph slack
     extra = max_num_seqs * cfg.vocab_size * 4 * 6 + (512 << 20)
     budget = total * util - (total - free) - activations - extra
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_block = KVCache.bytes_per_block(
-        num_layers=cfg.num_hidden_layers,
-        block_size=block_size,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        head_dim=head_dim,
-        dtype=param.dtype,
-    )
+    per_block = _cache_bytes_per_block(model, block_size, cache_dtype)
     if budget < per_block:
         raise ValueError(
             f"gpu_memory_utilization={util} leaves no room for the KV cache "
@@ -88,7 +100,11 @@ def _check_sizes(pa: PagedAttention, given: dict[str, Any]) -> None:
         "max_model_len": pa.max_model_len,
         "num_blocks": pa.kv_cache.num_blocks,
         "max_num_tokens": pa.builder.max_num_tokens,
+        "kv_cache_dtype": pa.kv_cache_dtype,
+        "calculate_kv_scales": pa.calculate_kv_scales,
     }
+    if "kv_cache_dtype" in given:
+        given = dict(given, kv_cache_dtype=resolve_kv_cache_dtype(given["kv_cache_dtype"], pa.dtype))
     conflicts = [
         f"{k}={v!r} (the patched model has {have[k]!r})"
         for k, v in given.items()
@@ -142,6 +158,14 @@ class LLM:
             buffer (same values and memory; the modules' weights become views into it) and the
             compiled graph uses that buffer. Do not re-bind those weights afterwards (copying
             into them is fine); ``generate`` checks.
+        kv_cache_dtype: "auto" (the model's dtype), "fp8"/"fp8_e4m3" or "fp8_e5m2": K/V stored in
+            one byte each, so the same memory holds twice the blocks of bfloat16 and decode reads
+            half the bytes. Scales: the checkpoint's (attention modules' ``k_scale``/``v_scale``),
+            else 1.0, else measured with ``calculate_kv_scales``.
+        calculate_kv_scales: FP8 only: the first step of the first ``generate``/``stream`` with
+            real tokens measures each layer's and head's K/V amax and fixes the scales at
+            ``amax / (fp8_max / 2)``; tokens of later requests beyond twice that range saturate
+            (a warning says so at construction).
 
     Example:
         >>> llm = LLM(model, tokenizer)
@@ -166,6 +190,8 @@ class LLM:
         max_num_tokens: int | None = None,
         overlap: bool = True,
         fuse_projections: bool = True,
+        kv_cache_dtype: str | torch.dtype | None = None,
+        calculate_kv_scales: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
@@ -184,6 +210,8 @@ class LLM:
             num_blocks=num_blocks,
             gpu_memory_utilization=gpu_memory_utilization,
             max_num_tokens=max_num_tokens,
+            kv_cache_dtype=kv_cache_dtype,
+            calculate_kv_scales=calculate_kv_scales,
         )
         self.pa = self._patched(model, {k: v for k, v in sizes.items() if v is not None})
         self.vocab_size = int(model.config.vocab_size)
@@ -211,6 +239,13 @@ class LLM:
         )
         self.runner.warm_up()
         self.pa.clear_step()
+        if self.pa.calculate_kv_scales:
+            self.pa.recalibrate_kv_scales()  # the warm-up's dummy tokens measured nothing real
+            warnings.warn(
+                "calculate_kv_scales=True: the first step with real tokens fixes the FP8 KV "
+                "scales; later K/V values beyond twice that step's range saturate",
+                stacklevel=2,
+            )
         self.warmup_s = time.perf_counter() - t0
         self.last_metrics = GenerationMetrics()
         self._next_id = 0
@@ -233,6 +268,9 @@ class LLM:
         num_blocks = given.get("num_blocks")
         max_num_tokens = given.get("max_num_tokens")
         gpu_memory_utilization = given.get("gpu_memory_utilization", 0.9)
+        kv_cache_dtype = given.get("kv_cache_dtype")
+        calculate_kv_scales = bool(given.get("calculate_kv_scales", False))
+        cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, next(model.parameters()).dtype)
         max_num_tokens = max(max_num_tokens or 2048, max_num_seqs)
         if max_model_len is None:
             max_pos = getattr(model.config, "max_position_embeddings", None)
@@ -245,17 +283,10 @@ class LLM:
                 max_num_tokens=max_num_tokens,
                 max_num_seqs=max_num_seqs,
                 util=gpu_memory_utilization,
+                cache_dtype=cache_dtype,
             )
         elif num_blocks is None:
-            cfg, dtype = model.config, next(model.parameters()).dtype
-            per_block = KVCache.bytes_per_block(
-                num_layers=cfg.num_hidden_layers,
-                block_size=block_size,
-                num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                head_dim=getattr(cfg, "head_dim", None)
-                or cfg.hidden_size // cfg.num_attention_heads,
-                dtype=dtype,
-            )
+            per_block = _cache_bytes_per_block(model, block_size, cache_dtype)
             want = max_num_seqs * blocks_needed(max_model_len, block_size)
             num_blocks = max(min(want, _CPU_KV_BYTES // per_block), 1)
         return hf.patch_model(
@@ -266,6 +297,8 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             max_num_tokens=max_num_tokens,
+            kv_cache_dtype=cache_dtype,
+            calculate_kv_scales=calculate_kv_scales,
         )
 
     # ---- input checks (all before any work) ----
