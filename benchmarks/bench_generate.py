@@ -5,6 +5,13 @@ vocab 128256, tied embeddings) with random weights in bf16, 128-token random pro
 EOS ignored, greedy. Systems:
 
 - ``paged_ops``: ``LLM(model).generate`` (continuous batching, torch.compile, CUDA-graph decode).
+  ``--kv-cache-dtype auto,fp8`` runs it once per KV cache dtype, as systems ``paged_ops`` (auto) and
+  ``paged_ops_fp8``; every cache gets the same memory (``--kv-budget-gib``, default what the bf16
+  cache of the largest case needs twice over), so an FP8 cache holds twice the blocks. FP8 scales
+  are 1.0 (K/V of this random-weight model are O(1)) unless ``--calculate-kv-scales``.
+  ``--long-prompts`` (or ``--extra-cases 64x4096``) adds cases of its own prompt length (64
+  requests with 4096-token prompts), served by a second LLM sized for them (so the default cases'
+  block tables, and with them their kernels' launch choices, stay as without it); paged_ops only.
 - ``hf_eager``: ``model.generate`` with the default dynamic cache (sdpa), the whole batch at once.
 - ``hf_static_compile``: ``model.generate(..., cache_implementation="static")``, which compiles the
   decode forward (transformers' own recipe).
@@ -20,6 +27,7 @@ before that call: model setup plus a first call (compiles, graph captures, autot
 
     python benchmarks/bench_generate.py --out benchmarks/results/generate_h100.json
     python benchmarks/bench_generate.py --quick            # 64 new tokens, batches 1 and 64
+    python benchmarks/bench_generate.py --systems paged_ops --kv-cache-dtype auto,fp8 --long-prompts
 """
 
 from __future__ import annotations
@@ -38,17 +46,17 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SYSTEMS = ("paged_ops", "hf_static_compile", "hf_generate_batch", "hf_eager", "hf_native")
 
 
-def llama_1b_config(num_layers: int = 16):
+def llama_1b_config(num_layers: int = 16, tiny: bool = False):
     import transformers
 
     return transformers.LlamaConfig(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
+        vocab_size=1024 if tiny else 128256,  # tiny: a CPU smoke test of this script
+        hidden_size=256 if tiny else 2048,
+        intermediate_size=512 if tiny else 8192,
         num_hidden_layers=num_layers,
         num_attention_heads=32,
         num_key_value_heads=8,
-        head_dim=64,
+        head_dim=8 if tiny else 64,
         max_position_embeddings=131072,
         rope_theta=500000.0,
         tie_word_embeddings=True,
@@ -94,15 +102,43 @@ def generated(llm, ps: list[list[int]], params) -> int:
     return sum(len(o.token_ids) for o in llm.generate(ps, params, use_tqdm=False))
 
 
-def run_paged_ops(cfg, batches, prompt_len, new_tokens, args):
+def kv_bytes_per_block(cfg, kv_cache_dtype: str, block_size: int = 16) -> int:
+    """Bytes of one KV block over all layers: one byte per value for FP8, else bf16's two."""
+    itemsize = 1 if kv_cache_dtype.startswith("fp8") else 2
+    return (
+        block_size * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    )
+
+
+def paged_ops_groups(
+    batches: list[int], prompt_len: int, extra: str
+) -> list[tuple[int, list[int]]]:
+    """``(prompt_len, batches)`` groups; each gets its own LLM. ``extra``: "64x4096,..."."""
+    groups: dict[int, list[int]] = {prompt_len: list(batches)}
+    for case in filter(None, (c.strip() for c in extra.split(","))):
+        b, p = (int(x) for x in case.lower().split("x"))
+        groups.setdefault(p, [])
+        if b not in groups[p]:
+            groups[p].append(b)
+    return [(p, bs) for p, bs in groups.items() if bs]
+
+
+def run_paged_ops(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype: str = "auto"):
+    """``LLM.generate`` on every batch size of ``batches``, ``prompt_len``-token prompts."""
     from paged_ops import LLM, SamplingParams
 
     t0 = time.perf_counter()
     model = build_model(cfg, DEVICE)
     max_len = prompt_len + new_tokens + 16
-    # twice what the largest batch needs (room for the prefix cache), not most of the GPU: the
-    # baselines run in the same process afterwards
-    num_blocks = 2 * max(batches) * -(-max_len // 16)
+    # twice what the largest batch needs in bf16 (room for the prefix cache), not most of the GPU:
+    # the baselines run in the same process afterwards. Every cache dtype gets the same memory.
+    budget = (
+        int(args.kv_budget_gib * 2**30)
+        if args.kv_budget_gib
+        else 2 * max(batches) * -(-max_len // 16) * kv_bytes_per_block(cfg, "auto")
+    )
+    num_blocks = budget // kv_bytes_per_block(cfg, kv_cache_dtype)
+    fp8 = kv_cache_dtype.startswith("fp8")
     llm = LLM(
         model,
         backend=args.backend,
@@ -112,9 +148,14 @@ def run_paged_ops(cfg, batches, prompt_len, new_tokens, args):
         num_blocks=num_blocks,
         compile=args.compile,
         cuda_graphs=args.compile,
+        **(dict(kv_cache_dtype=kv_cache_dtype) if kv_cache_dtype != "auto" else {}),
+        **(dict(calculate_kv_scales=True) if fp8 and args.calculate_kv_scales else {}),
     )
     setup = time.perf_counter() - t0
-    print(f"  LLM ready in {setup:.1f} s (backend {llm.pa.layer_backends[0]})", flush=True)
+    cache = llm.pa.kv_cache
+    kv_gib = cache.data.nbytes / 2**30
+    print(f"  LLM ready in {setup:.1f} s (backend {llm.pa.layer_backends[0]}, KV cache "
+          f"{cache.dtype}: {cache.num_blocks} blocks, {kv_gib:.2f} GiB)", flush=True)  # fmt: skip
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     warm = SamplingParams(max_new_tokens=8, ignore_eos=True)
     rows = []
@@ -129,12 +170,15 @@ def run_paged_ops(cfg, batches, prompt_len, new_tokens, args):
         sync_ps = prompts(b, prompt_len, cfg.vocab_size, variant=2)
         n_sync, dt_sync = timed(lambda ps=sync_ps: generated(llm, ps, params))
         llm.overlap = True
-        rows.append(dict(batch=b, tokens=n, seconds=dt, tok_s=n / dt, warmup_s=setup + first,
-                         ttft_ms=m.mean_time_to_first_token_s * 1e3, steps=m.num_steps,
-                         decode_steps=m.num_decode_steps, overlapped_steps=m.num_overlapped_steps,
+        rows.append(dict(batch=b, prompt_len=prompt_len, tokens=n, seconds=dt, tok_s=n / dt,
+                         warmup_s=setup + first, ttft_ms=m.mean_time_to_first_token_s * 1e3,
+                         steps=m.num_steps, decode_steps=m.num_decode_steps,
+                         overlapped_steps=m.num_overlapped_steps,
                          tok_s_no_overlap=n_sync / dt_sync, backend=llm.pa.layer_backends[0],
-                         num_blocks=llm.pa.kv_cache.num_blocks))  # fmt: skip
-        print(f"  b={b}: {n / dt:,.0f} tok/s ({m.num_steps} steps, {m.num_decode_steps} decode, "
+                         num_blocks=cache.num_blocks, kv_cache_dtype=kv_cache_dtype,
+                         kv_dtype=str(cache.dtype).removeprefix("torch."), kv_cache_gib=kv_gib,
+                         calculate_kv_scales=bool(llm.pa.calculate_kv_scales)))  # fmt: skip
+        print(f"  b={b} x {prompt_len}: {n / dt:,.0f} tok/s ({m.num_steps} steps, {m.num_decode_steps} decode, "
               f"{m.num_overlapped_steps} overlapped, TTFT {m.mean_time_to_first_token_s * 1e3:.0f} "
               f"ms); overlap off: {n_sync / dt_sync:,.0f} tok/s", flush=True)  # fmt: skip
     if args.profile:
@@ -179,7 +223,8 @@ def run_hf_generate(cfg, batches, prompt_len, new_tokens, args, static: bool):
         # static: the same lengths, so the first call compiles the graph the timed call uses
         _, first = timed(lambda: call(new_tokens if static else 16))
         n, dt = timed(lambda: call(new_tokens))
-        rows.append(dict(batch=b, tokens=n, seconds=dt, tok_s=n / dt, warmup_s=first))
+        rows.append(dict(batch=b, prompt_len=prompt_len, tokens=n, seconds=dt, tok_s=n / dt,
+                         warmup_s=first))  # fmt: skip
         print(f"  b={b}: {n / dt:,.0f} tok/s (first call {first:.1f} s)", flush=True)
     return rows
 
@@ -207,7 +252,8 @@ def run_hf_generate_batch(cfg, batches, prompt_len, new_tokens, args):
         warm_ps = prompts(b, prompt_len, cfg.vocab_size, variant=1)
         _, first = timed(lambda warm_ps=warm_ps: call(16, warm_ps))
         n, dt = timed(lambda: call(new_tokens))
-        rows.append(dict(batch=b, tokens=n, seconds=dt, tok_s=n / dt, warmup_s=first))
+        rows.append(dict(batch=b, prompt_len=prompt_len, tokens=n, seconds=dt, tok_s=n / dt,
+                         warmup_s=first))  # fmt: skip
         print(f"  b={b}: {n / dt:,.0f} tok/s (first call {first:.1f} s)", flush=True)
     return rows
 
@@ -328,15 +374,62 @@ def main() -> None:
     parser.add_argument("--native-repeats", type=int, default=5, help="hf_native timed calls")
     parser.add_argument("--native-longest", type=int, default=512,
                         help="hf_native: the longest ragged prompt (batch 1: its only prompt)")  # fmt: skip
+    parser.add_argument("--kv-cache-dtype", "--kv-cache-dtypes", dest="kv_cache_dtypes",
+                        default="auto",
+                        help="paged_ops KV cache dtype(s): auto, fp8, fp8_e4m3, fp8_e5m2; a comma "
+                             "list runs paged_ops once per dtype (systems paged_ops, paged_ops_fp8, "
+                             "...)")  # fmt: skip
+    parser.add_argument("--calculate-kv-scales", action="store_true",
+                        help="FP8: LLM(calculate_kv_scales=True) (default: scales 1.0)")  # fmt: skip
+    parser.add_argument("--kv-budget-gib", type=float, default=None,
+                        help="paged_ops KV cache memory, every dtype alike (default: twice what the "
+                             "largest batch needs in bf16)")  # fmt: skip
+    parser.add_argument("--extra-cases", default="",
+                        help="paged_ops only: more BATCHxPROMPT_LEN cases, e.g. 64x4096 (one LLM "
+                             "per prompt length)")  # fmt: skip
+    parser.add_argument("--long-prompts", action="store_true",
+                        help="paged_ops only: add the case 64x4096 (64 requests, 4096-token "
+                             "prompts)")  # fmt: skip
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
     parser.add_argument("--out", help="write the results as JSON here (after every system)")
     args = parser.parse_args()
     if args.quick:
         args.new_tokens, args.batches = 64, "1,64"
+    if args.long_prompts:
+        args.extra_cases = ",".join(filter(None, [args.extra_cases, "64x4096"]))
     batches = [int(b) for b in args.batches.split(",")]
-    cfg = llama_1b_config(args.layers)
+    kv_dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
+    for d in kv_dtypes:
+        if d not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+            parser.error(f"--kv-cache-dtype: unknown {d!r} (auto, fp8, fp8_e4m3, fp8_e5m2)")
+    groups = paged_ops_groups(batches, args.prompt_len, args.extra_cases)
+    cfg = llama_1b_config(args.layers, tiny=args.tiny)
     results: dict[str, object] = {}
+
+    def paged_ops_runner(kv_cache_dtype: str):
+        def run() -> list[dict]:
+            rows: list[dict] = []
+            for i, (prompt_len, bs) in enumerate(groups):  # one LLM per prompt length
+                if i:
+                    free_memory()
+                try:
+                    rows += run_paged_ops(cfg, bs, prompt_len, args.new_tokens, args,
+                                          kv_cache_dtype)  # fmt: skip
+                except Exception as err:  # keep the other groups' figures
+                    if len(groups) == 1:
+                        raise
+                    traceback.print_exc()
+                    rows.append(dict(prompt_len=prompt_len, batches=bs, kv_cache_dtype=kv_cache_dtype,
+                                     error=f"{type(err).__name__}: {err}"))  # fmt: skip
+            return rows
+
+        return run
+
+    system_names: list[str] = []
+    for name in args.systems.split(","):
+        system_names += [paged_ops_name(d) for d in kv_dtypes] if name == "paged_ops" else [name]
     runners = {
-        "paged_ops": lambda: run_paged_ops(cfg, batches, args.prompt_len, args.new_tokens, args),
+        **{paged_ops_name(d): paged_ops_runner(d) for d in kv_dtypes},
         "hf_eager": lambda: run_hf_generate(cfg, batches, args.prompt_len, args.new_tokens, args, False),
         "hf_static_compile": lambda: run_hf_generate(cfg, batches, args.prompt_len, args.new_tokens, args, True),
         "hf_generate_batch": lambda: run_hf_generate_batch(cfg, batches, args.prompt_len, args.new_tokens, args),
@@ -349,26 +442,41 @@ def main() -> None:
                 python=platform.python_version(), prompt_len=args.prompt_len,
                 new_tokens=args.new_tokens, layers=args.layers, batches=batches,
                 max_num_tokens=args.max_num_tokens, dtype="bfloat16", greedy=True,
-                ignore_eos=True)  # fmt: skip
-    for name in args.systems.split(","):
+                ignore_eos=True, kv_cache_dtypes=kv_dtypes,
+                paged_ops_cases=[[b, p] for p, bs in groups for b in bs],
+                kv_budget_gib=args.kv_budget_gib,
+                calculate_kv_scales=args.calculate_kv_scales, tiny=args.tiny)  # fmt: skip
+    for name in system_names:
         print(f"{name}:", flush=True)
         try:
             results[name] = runners[name]()
         except Exception as err:  # a failing baseline must not lose the others' figures
             traceback.print_exc()
             results[name] = {"error": f"{type(err).__name__}: {err}"}
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        torch._dynamo.reset()
+        free_memory()
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"settings": meta, "results": results}, f, indent=2)
-    print_table(results, batches)
+    print_table(results, [(b, p) for p, bs in groups for b in bs])
+    print_kv_table(results)
 
 
-def print_table(results: dict[str, object], batches: list[int]) -> None:
-    print(f"\n{'system':<20}" + "".join(f"{f'b={b} tok/s':>14}{'warm-up s':>11}" for b in batches))
+def paged_ops_name(kv_cache_dtype: str) -> str:
+    """The system name of paged_ops on one KV cache dtype: ``paged_ops`` for auto."""
+    return "paged_ops" if kv_cache_dtype == "auto" else f"paged_ops_{kv_cache_dtype}"
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+def print_table(results: dict[str, object], cases: list[tuple[int, int]]) -> None:
+    """tok/s and warm-up per system and case ``(batch, prompt_len)``."""
+    head = "".join(f"{f'b={b}x{p} tok/s':>17}{'warm-up s':>11}" for b, p in cases)
+    print(f"\n{'system':<20}{head}")
     for name, rows in results.items():
         if isinstance(rows, dict):
             print(f"{name:<20}  error: {rows['error'][:80]}")
@@ -379,12 +487,38 @@ def print_table(results: dict[str, object], batches: list[int]) -> None:
                     print(f"  {r['system']:<20} b={r['batch']}: {r['tok_s']:>9,.0f} tok/s, "
                           f"KV {r['kv_mib']:>8,.1f} MiB")  # fmt: skip
             continue
-        by_b = {r["batch"]: r for r in rows}
+        by_case = {(r["batch"], r.get("prompt_len")): r for r in rows if "tok_s" in r}
         cells = "".join(
-            f"{by_b[b]['tok_s']:>14,.0f}{by_b[b]['warmup_s']:>11.1f}" if b in by_b else " " * 25
-            for b in batches
+            f"{by_case[c]['tok_s']:>17,.0f}{by_case[c]['warmup_s']:>11.1f}"
+            if c in by_case
+            else " " * 28
+            for c in cases
         )
         print(f"{name:<20}{cells}")
+        for r in rows:
+            if "error" in r:
+                print(f"{'':<20}  prompt_len {r['prompt_len']} error: {r['error'][:80]}")
+
+
+def print_kv_table(results: dict[str, object]) -> None:
+    """paged_ops per KV cache dtype: blocks, cache memory, tok/s, speed vs the auto cache."""
+    paged = {n: rows for n, rows in results.items()
+             if n.startswith("paged_ops") and n != "paged_ops_generate" and isinstance(rows, list)}  # fmt: skip
+    if not paged:
+        return
+    auto = {(r["batch"], r["prompt_len"]): r for r in paged.get("paged_ops", []) if "tok_s" in r}
+    print(f"\n{'system':<20}{'kv dtype':>15}{'case':>10}{'num_blocks':>12}{'KV GiB':>8}"
+          f"{'tok/s':>10}{'no-overlap':>12}{'vs auto':>9}")  # fmt: skip
+    for name, rows in paged.items():
+        for r in rows:
+            if "tok_s" not in r:
+                continue
+            base = auto.get((r["batch"], r["prompt_len"]))
+            ratio = f"{r['tok_s'] / base['tok_s']:>8.2f}x" if base else f"{'-':>9}"
+            case = f"{r['batch']}x{r['prompt_len']}"
+            print(f"{name:<20}{r['kv_dtype']:>15}{case:>10}"
+                  f"{r['num_blocks']:>12,}{r['kv_cache_gib']:>8.3f}{r['tok_s']:>10,.0f}"
+                  f"{r['tok_s_no_overlap']:>12,.0f}{ratio}")  # fmt: skip
 
 
 if __name__ == "__main__":

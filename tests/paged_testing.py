@@ -332,6 +332,7 @@ def quantized_batch(
     cache[:, 1] = quantize(batch.kv_cache[:, 1], v_scale, fp8_dtype)
 
     def roundtrip(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        scale = None if scale is None else scale.to(x.device)  # keys/values live on the CPU
         return dequantize(quantize(x, scale, fp8_dtype), scale)
 
     return PagedBatch(

@@ -78,6 +78,7 @@ def write_kv(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    fp8 = fp8_format(kv_cache.dtype)
     kernels.write_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -98,7 +99,10 @@ def write_kv(
         QUANTIZE=is_fp8(kv_cache.dtype),
         USE_K_SCALE=k_scale is not None,
         USE_V_SCALE=v_scale is not None,
-        **fp8_format(kv_cache.dtype),
+        FP8_MAX=fp8["FP8_MAX"],
+        FP8_MAN=fp8["FP8_MAN"],
+        FP8_MIN_NORMAL=fp8["FP8_MIN_NORMAL"],
+        FP8_SUB_ULP=fp8["FP8_SUB_ULP"],
     )
 
 
@@ -136,12 +140,15 @@ def launch_config(
     max_kv_len: int,
     num_sms: int,
     num_segments: int | None = None,
+    fp8_cache: bool = False,
 ) -> LaunchConfig:
     """Pick tiles and split-KV from the step's shapes (``T``, ``S``) and the block-table capacity.
 
     Decode-like steps (``T <= 2 S``) use a 16-row M tile (one or a few tokens x the group); prefill
     and mixed steps a 64-row tile. When the one-pass grid would leave most SMs idle (small decode
     batches), the KV range is split into up to MAX_SEGMENTS segments. ``num_segments`` forces the split.
+    An FP8 cache decodes with 128-wide KV tiles, 3 stages and at least 2 segments (H100 sweep,
+    benchmarks/NOTES.md: 64 x 4096 at D=128 291 -> 271 us, 256 x 4096 1,094 -> 949 us).
     """
     group = num_q_heads // num_kv_heads
     decode_like = num_tokens <= 2 * num_seqs
@@ -151,6 +158,9 @@ def launch_config(
     # D=256: 64-wide KV tiles for decode (H200 sweep: 655 -> 497 us at 64 x 4096, 348 -> 264 us at
     # 8 x 16384); prefill keeps 32 (its 64-row M tile and fp32 accumulator fill the registers).
     tile_n = 64 if d_pad <= 128 or decode_like else 32
+    fp8_decode = fp8_cache and decode_like and d_pad <= 128
+    if fp8_decode:
+        tile_n = 128
     if num_segments is None:
         programs = (num_tokens // block_q + num_seqs + 1) * num_kv_heads
         kv_tiles = triton.cdiv(max(max_kv_len, 1), tile_n)
@@ -159,10 +169,13 @@ def launch_config(
             want = triton.cdiv(4 * num_sms, programs)  # ~4 waves: measured best on H200
             num_segments = min(MAX_SEGMENTS, triton.next_power_of_2(want), kv_tiles // 2)
             num_segments = 1 << (num_segments.bit_length() - 1)  # a power of two for tl.arange
+        if fp8_decode and kv_tiles >= 8:
+            num_segments = max(num_segments, 2)
     if num_segments < 1 or num_segments & (num_segments - 1):
         raise ValueError(f"num_segments must be a power of two >= 1, got {num_segments}")
     num_warps = 4 if block_m * d_pad <= 64 * 128 else 8
-    return LaunchConfig(block_m, block_q, tile_n, num_segments, num_warps, num_stages=2)
+    num_stages = 3 if fp8_decode else 2
+    return LaunchConfig(block_m, block_q, tile_n, num_segments, num_warps, num_stages)
 
 
 def paged_attention(
@@ -204,6 +217,7 @@ def paged_attention(
         max_kv_len=block_table.shape[1] * block_size,
         num_sms=_num_sms(query.device),
         num_segments=num_segments,
+        fp8_cache=is_fp8(kv_cache.dtype),
     )
     group = num_q_heads // num_kv_heads
     if cfg.block_q < 1 or cfg.block_q * group > cfg.block_m:
@@ -227,6 +241,7 @@ def paged_attention(
     dummy = cu_seqlens_q  # stands in for absent optional tensors (never read)
     fp8 = fp8_format(kv_cache.dtype)
     decode_bits = is_fp8(kv_cache.dtype) and _interpreting()
+    f16_dot = is_fp8(kv_cache.dtype) and query.dtype in (torch.float16, torch.bfloat16)
     cache_arg = kv_cache.view(torch.uint8) if decode_bits else kv_cache
     grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads, nseg)
     kernels.paged_attention_kernel[grid](
@@ -275,6 +290,7 @@ def paged_attention(
         FP8_MAN=fp8["FP8_MAN"],
         FP8_BIAS=fp8["FP8_BIAS"],
         FP8_SUB_ULP=fp8["FP8_SUB_ULP"],
+        F16_DOT=f16_dot,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -239,6 +239,7 @@ def paged_attention_kernel(
     FP8_MAN: tl.constexpr,
     FP8_BIAS: tl.constexpr,
     FP8_SUB_ULP: tl.constexpr,
+    F16_DOT: tl.constexpr,  # FP8 cache, 16-bit query: scaled float16 dots (see below)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -280,6 +281,17 @@ def paged_attention_kernel(
         mask=row_valid[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_M, D_PAD]
+    if F16_DOT:
+        # FP8 -> float16 is one packed conversion per two values; FP8 -> bfloat16 costs three, and
+        # conversion throughput, not memory, then bounds decode. So with an FP8 cache, bf16
+        # queries are rescaled by a power of two (largest |q| of the tile -> [2^8, 2^9)) and cast
+        # to float16 (10 mantissa bits: no precision lost, no overflow); the softmax scale takes the
+        # inverse power. P (in [0, 1]) and V are float16 as well; accumulators stay float32.
+        q_amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        q_exp = (q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent, 0 for 0.0
+        shift = tl.minimum(tl.maximum(135 - q_exp, -100), 100)  # 2^shift * q_amax in [2^8, 2^9)
+        q = (q.to(tl.float32) * ((shift + 127) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+        scale = scale * ((127 - shift) << 23).to(tl.float32, bitcast=True)
 
     # KV positions any row of this block can see: [kv_lo, kv_hi). Padding queries (q_len > kv_len,
     # left padding) sit at negative positions; a block of them has last_pos < 0 and, clamped to 0,
@@ -321,7 +333,13 @@ def paged_attention_kernel(
             kv_ptrs, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
         )  # [TILE_N, D_PAD]
         v = _load_kv(
-            kv_ptrs + stride_ckv, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
+            kv_ptrs + stride_ckv,
+            kv_mask,
+            q.dtype,
+            FP8_BITS,
+            FP8_MAN,
+            FP8_BIAS,
+            FP8_SUB_ULP,
         )  # [TILE_N, D_PAD]
         s = _dot(q, tl.trans(k), IEEE_DOT)
         s = s * scale  # [BLOCK_M, TILE_N] fp32
