@@ -7,6 +7,21 @@
   ``plan_handle`` (see :mod:`paged_ops.backends.flashinfer_planner`).
 - Head sizes 64/128/256, float16/bfloat16, causal or not, sliding window, softcap. No sinks, no
   ALiBi: "auto" gives such layers to triton, and ``backend="flashinfer"`` refuses them.
+- FP8 KV cache (``float8_e4m3fn``/``float8_e5m2``) under float16/bfloat16 queries: the wrappers
+  are planned with ``kv_data_type=<cache dtype>`` and read the stored values as they are; the
+  prefill wrapper (and tensor-core decode) runs FA2, since FA3 takes an FP8 cache only with FP8
+  queries. FlashInfer's own ``run(k_scale=, v_scale=)`` takes Python floats (a host value: a
+  trace constant, a recompile per value, a device-to-host sync when the scale lives on the GPU,
+  and per layer only), so it is never used. The float32 scale tensors (``[]`` per layer or
+  ``[Hkv]`` per KV head) are folded on the device instead: ``query[:, h] * k_scale[h // G]``
+  before the run (a score ``q . (stored * k) = (q * k) . stored``; multiplied in float32, rounded
+  to the query dtype) and ``out[:, h] * v_scale[h // G]`` after it (the softmax weights sum to
+  one). Both are plain torch ops: sync-free, inside torch.compile and CUDA graphs, so "auto"
+  keeps FlashInfer for per-layer and per-head scales alike. The cost is two elementwise passes
+  (query and output) per layer and the query's rounding after the scale (a relative 2^-9 for
+  bfloat16, as for any bfloat16 query); a float16 query times ``k_scale`` must stay finite.
+- KV writes quantize with :func:`paged_ops.fp8.quantize` (triton's write kernel on CUDA, else
+  :func:`~paged_ops.backends.flashinfer_host.scatter_kv`).
 
 flashinfer is optional: it is imported only when a planner is built or ``is_available()`` runs on a
 machine with CUDA, never by ``import paged_ops``.
@@ -23,6 +38,7 @@ import torch
 
 from paged_ops.backends import LayerSpec, get_plan_state, register_plan_state
 from paged_ops.backends import flashinfer_host as host
+from paged_ops.backends.flashinfer_host import apply_v_scale_, fold_k_scale
 from paged_ops.backends.flashinfer_planner import FlashInferPlanner, capturing
 
 
@@ -59,17 +75,20 @@ def write_kv(
     value: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    k_scale: torch.Tensor | None = None,  # [] or [Hkv] float32 (FP8 cache)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write this step's K/V into the cache; CUDA-graph capturable, skips slot -1.
 
     Uses the triton backend's one-kernel write when it is available on a CUDA tensor, else a
-    sync-free torch scatter (:func:`~paged_ops.backends.flashinfer_host.scatter_kv`).
+    sync-free torch scatter (:func:`~paged_ops.backends.flashinfer_host.scatter_kv`). An FP8 cache
+    stores :func:`paged_ops.fp8.quantize` of the K/V either way.
     """
     triton_write = _triton_write_kv() if kv_cache.is_cuda else None
     if triton_write is not None:
-        triton_write(key, value, kv_cache, slot_mapping)
+        triton_write(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     else:
-        host.scatter_kv(key, value, kv_cache, slot_mapping)
+        host.scatter_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def make_planner(owner: Any, cfg: Any) -> FlashInferPlanner:
@@ -80,6 +99,7 @@ def make_planner(owner: Any, cfg: Any) -> FlashInferPlanner:
         head_dim=owner.head_dim,
         block_size=owner.block_size,
         dtype=owner.dtype,
+        kv_dtype=getattr(owner, "kv_cache_dtype", owner.dtype),
         device=owner.kv_cache.device,
         max_num_seqs=owner.builder.max_num_seqs,
         max_blocks_per_seq=owner.builder.max_blocks_per_seq,
@@ -131,7 +151,7 @@ def _run_unplanned(
         )
     num_seqs, width = block_table.shape
     geometry = (query.shape[1], kv_cache.shape[3], query.shape[2], kv_cache.shape[2])
-    key = (*geometry, query.dtype, query.device, scale, causal, window, softcap)
+    key = (*geometry, query.dtype, kv_cache.dtype, query.device, scale, causal, window, softcap)
     planner = _unplanned.get(key)
     if planner is None or planner.max_num_seqs < num_seqs or planner.max_blocks_per_seq < width:
         _unplanned[key] = FlashInferPlanner(  # staging buffers sized for the largest batch seen
@@ -140,6 +160,7 @@ def _run_unplanned(
             head_dim=geometry[2],
             block_size=geometry[3],
             dtype=query.dtype,
+            kv_dtype=kv_cache.dtype,
             device=query.device,
             max_num_seqs=max(num_seqs, planner.max_num_seqs if planner else 0),
             max_blocks_per_seq=max(width, planner.max_blocks_per_seq if planner else 0),
@@ -170,12 +191,15 @@ def paged_attention(
     softcap: float,  # <= 0: off
     sinks: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None,
+    k_scale: torch.Tensor | None = None,  # [] or [Hkv] float32 (FP8 cache)
+    v_scale: torch.Tensor | None = None,
     plan_handle: int = -1,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention through the wrapper planned under ``plan_handle`` (or an eager plan if -1).
 
     The planned path reads no tensor values on the host, so it runs inside torch.compile and,
-    for decode steps, inside a CUDA graph. Padded query tokens get zeros.
+    for decode steps, inside a CUDA graph. Padded query tokens get zeros. FP8 scales are folded
+    on the device: ``k_scale`` into the query before the run, ``v_scale`` into the output after.
     """
     if sinks is not None or alibi_slopes is not None:
         raise ValueError(
@@ -183,17 +207,27 @@ def paged_attention(
             "backend='triton' or 'auto'"
         )
     constants = dict(scale=scale, causal=causal, window=window, softcap=softcap)
+    num_kv_heads = kv_cache.shape[3]
+    scaled_query = fold_k_scale(query, k_scale, num_kv_heads)  # query itself when None
     if plan_handle < 0:
-        return _run_unplanned(query, kv_cache, cu_seqlens_q, seq_lens, block_table, **constants)
-    planner: FlashInferPlanner = get_plan_state(plan_handle)
-    planned = dict(
-        scale=planner.scale, causal=planner.causal, window=planner.window, softcap=planner.softcap
-    )
-    if constants != planned:
-        raise RuntimeError(
-            f"FlashInfer plan {plan_handle} was made for {planned}, the layer asks for {constants}"
+        out = _run_unplanned(
+            scaled_query, kv_cache, cu_seqlens_q, seq_lens, block_table, **constants
         )
-    out = planner.run(query, kv_cache, seq_lens)
+    else:
+        planner: FlashInferPlanner = get_plan_state(plan_handle)
+        planned = dict(
+            scale=planner.scale,
+            causal=planner.causal,
+            window=planner.window,
+            softcap=planner.softcap,
+        )
+        if constants != planned:
+            raise RuntimeError(
+                f"FlashInfer plan {plan_handle} was made for {planned}, the layer asks for "
+                f"{constants}"
+            )
+        out = planner.run(scaled_query, kv_cache, seq_lens)
+    apply_v_scale_(out, v_scale, num_kv_heads)  # padded rows stay zero
     if not query.is_contiguous():  # match the fake kernel's empty_like(query) strides
         out = torch.empty_like(query).copy_(out)
     return out

@@ -1,7 +1,8 @@
 """Host-side pieces of the FlashInfer backend: no GPU and no flashinfer import needed.
 
 Everything here runs on CPU tensors (the metadata builder's host copies) before a step's forward,
-so FlashInfer's ``plan()`` never waits on the GPU. It is unit-tested in CI without a GPU.
+so FlashInfer's ``plan()`` never waits on the GPU; the KV write fallback and the FP8 scale folding
+are plain torch ops on any device. It is unit-tested in CI without a GPU.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from paged_ops.backends import LayerSpec
+from paged_ops.fp8 import FP8_DTYPES, is_fp8, per_head, quantize
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # query (and unquantized cache) dtypes
 # From this GQA group size on, decode runs on tensor cores (FlashInfer's prefill kernel with one
 # query row per request); below it the CUDA-core decode kernel is faster and supports groups 1-3.
 TENSOR_CORE_MIN_GROUP = 4
@@ -28,8 +30,15 @@ def unsupported_reason(spec: LayerSpec, device: torch.device) -> str | None:
         return f"it runs on CUDA devices only, got device {str(device)!r}"
     if spec.head_dim not in SUPPORTED_HEAD_DIMS:
         return f"head size {spec.head_dim} is not one of {list(SUPPORTED_HEAD_DIMS)}"
+    kv_dtype = spec.dtype if spec.kv_dtype is None else spec.kv_dtype
     if spec.dtype not in SUPPORTED_DTYPES:
-        return f"cache dtype {spec.dtype} is not float16 or bfloat16"
+        what = "query dtype" if kv_dtype != spec.dtype else "dtype"
+        return f"{what} {spec.dtype} is not float16 or bfloat16"
+    if kv_dtype != spec.dtype and kv_dtype not in FP8_DTYPES:
+        return (
+            f"cache dtype {kv_dtype} is neither the query dtype ({spec.dtype}) nor FP8 "
+            "(float8_e4m3fn/float8_e5m2)"
+        )
     if spec.has_sinks:
         return "attention sinks are not supported by its paged prefill/decode kernels"
     if spec.has_alibi:
@@ -109,6 +118,8 @@ def scatter_kv(
     value: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    k_scale: torch.Tensor | None = None,  # [] or [Hkv] float32 (FP8 cache)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write K/V into the paged cache with torch ops only: no host sync, CUDA-graph capturable.
 
@@ -116,9 +127,14 @@ def scatter_kv(
     somewhere: a padded token (slot -1) rewrites the first real token's slot with that token's own
     key/value (duplicate writes of equal values are deterministic); if the step has no real token
     at all, padded tokens rewrite slot 0 with its current contents.
+
+    An FP8 cache stores :func:`paged_ops.fp8.quantize` of the K/V (bit for bit); the bytes are
+    moved as ``uint8`` so no selection or scatter op needs FP8 support.
     """
     if slot_mapping.shape[0] == 0:
         return
+    fp8 = is_fp8(kv_cache.dtype)
+    store = kv_cache.view(torch.uint8) if fp8 else kv_cache  # same bytes, same strides
     block_size = kv_cache.shape[2]
     valid = slot_mapping >= 0  # [T]
     any_valid = valid.any()
@@ -128,7 +144,51 @@ def scatter_kv(
     slots = torch.where(valid, slot_mapping, fallback)  # [T], all in range
     blocks, offsets = slots // block_size, slots % block_size
     keep = valid[:, None, None]
-    for i, new in enumerate((key, value)):
-        old = kv_cache[0, i, 0]  # [Hkv, D], read before the write below (stream order)
+    for i, (new, scale) in enumerate(((key, k_scale), (value, v_scale))):
+        if fp8:
+            new = quantize(new, scale, kv_cache.dtype).view(torch.uint8)
+        else:
+            new = new.to(kv_cache.dtype)
+        old = store[0, i, 0]  # [Hkv, D], read before the write below (stream order)
         filler = torch.where(any_valid, new.index_select(0, first), old)  # [1, Hkv, D]
-        kv_cache[blocks, i, offsets] = torch.where(keep, new, filler).to(kv_cache.dtype)
+        store[blocks, i, offsets] = torch.where(keep, new, filler)
+
+
+def _per_q_head(scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """A ``[]`` or ``[Hkv]`` scale as ``[Hkv, 1, 1]`` float32, to broadcast over ``[T, Hkv, G, D]``
+    (query head ``h`` is row ``h // G`` of KV head group ``G = Hq / Hkv``)."""
+    return per_head(scale, num_kv_heads)[:, :, None]
+
+
+def fold_k_scale(
+    query: torch.Tensor,  # [T, Hq, D] float16/bfloat16
+    k_scale: torch.Tensor | None,  # [] or [Hkv] float32
+    num_kv_heads: int,
+) -> torch.Tensor:  # [T, Hq, D], query's dtype
+    """``query[:, h] * k_scale[h // G]``, multiplied in float32 and rounded to the query dtype.
+
+    A score is ``q . (stored * k_scale) = (q * k_scale) . stored``, so a kernel that reads the
+    stored FP8 values as they are (scale 1) computes the scores of the dequantized keys. The
+    scale stays on the device: no host sync, no recompile per value, CUDA-graph capturable.
+    ``None`` returns ``query`` itself.
+    """
+    if k_scale is None:
+        return query
+    grouped = query.float().unflatten(1, (num_kv_heads, -1))  # [T, Hkv, G, D]
+    return (grouped * _per_q_head(k_scale, num_kv_heads)).flatten(1, 2).to(query.dtype)
+
+
+def apply_v_scale_(
+    out: torch.Tensor,  # [T, Hq, D], attention over the stored values; updated in place
+    v_scale: torch.Tensor | None,  # [] or [Hkv] float32
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """``out[:, h] *= v_scale[h // G]`` (in float32, rounded back): the output over the values
+    ``stored * v_scale`` is the output over ``stored`` times the scale, since the softmax weights
+    of each query head sum to one (or to zero, for a row that sees no key). Device-side, like
+    :func:`fold_k_scale`. Returns ``out``."""
+    if v_scale is None:
+        return out
+    grouped = out.float().unflatten(1, (num_kv_heads, -1))  # [T, Hkv, G, D]
+    out.copy_((grouped * _per_q_head(v_scale, num_kv_heads)).flatten(1, 2))
+    return out

@@ -5,7 +5,8 @@ One :class:`FlashInferPlanner` serves every layer that shares (backend, LayerCon
 captured region; every layer's ``paged_ops::paged_attention`` then calls :meth:`run`.
 
 - prefill and mixed steps: one eager ``BatchPrefillWithPagedKVCacheWrapper`` (FA3 on sm90 via
-  ``backend="auto"``, else FA2), planned over the real sequences only;
+  ``backend="auto"``, else FA2; always FA2 over an FP8 cache, see :func:`prefill_backend`), planned
+  over the real sequences only;
 - decode-only steps: one ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)`` per batch
   bucket (``md.padded_num_seqs``) with fixed index buffers, re-planned in place each step. Decode
   always goes through these, so a captured decode graph can only contain graph-safe wrappers; a
@@ -26,6 +27,7 @@ from paged_ops.backends.flashinfer_host import (
     step_shape,
     use_tensor_cores,
 )
+from paged_ops.fp8 import is_fp8
 
 _FLOAT_WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-KV scratch size
 _float_workspaces: dict[torch.device, torch.Tensor] = {}
@@ -38,6 +40,19 @@ def float_workspace(device: torch.device) -> torch.Tensor:
             _FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device
         )
     return _float_workspaces[device]
+
+
+def prefill_backend(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+    """FlashInfer backend of the prefill wrapper (and of tensor-core decode over FP8).
+
+    An FP8 cache with a float16/bfloat16 query runs on FA2: its paged prefill kernel loads FP8 K/V
+    tiles into shared memory and converts them to the query dtype in registers (exactly: every
+    e4m3/e5m2 value is a float16 and a bfloat16). FA3 (sm90) serves FP8 K/V only with an FP8
+    query (flashinfer 0.6.4's ``is_fa3_backend_supported`` says so, and ``backend="auto"`` picks
+    FA2 there too); naming FA2 keeps it so whatever a later version's "auto" does. Unquantized
+    caches keep ``"auto"`` (FA3 on sm90, else FA2).
+    """
+    return "fa2" if is_fp8(kv_dtype) and not is_fp8(q_dtype) else "auto"
 
 
 def capturing() -> bool:
@@ -84,7 +99,9 @@ class FlashInferPlanner:
     """Planned FlashInfer wrappers for one layer group; registered under ``self.handle``.
 
     Args:
-        num_q_heads, num_kv_heads, head_dim, block_size, dtype, device: the cache geometry.
+        num_q_heads, num_kv_heads, head_dim, block_size, device: the cache geometry.
+        dtype: the query's (and output's) dtype; kv_dtype: the cache's (``None``: ``dtype``; FP8
+            for a quantized cache, whose scales the backend folds into the query and output).
         max_num_seqs, max_blocks_per_seq: the metadata builder's limits (staging buffer sizes).
         scale, causal, window, softcap: the group's constants (``window``/``softcap`` <= 0: off).
     """
@@ -104,18 +121,21 @@ class FlashInferPlanner:
         causal: bool,
         window: int,
         softcap: float,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         import flashinfer
 
         self._fi = flashinfer
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
+        self.prefill_backend = prefill_backend(self.dtype, self.kv_dtype)
         self.max_num_seqs, self.max_blocks_per_seq = max_num_seqs, max_blocks_per_seq
         self.scale, self.causal, self.window, self.softcap = scale, causal, window, softcap
         self.use_tensor_cores = use_tensor_cores(num_q_heads, num_kv_heads)
         self._workspace = float_workspace(self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend="auto"
+            self._workspace, "NHD", backend=self.prefill_backend
         )
         self._decode: dict[int, Any] = {}  # bucket -> graph-safe decode wrapper
         on_cuda = self.device.type == "cuda"  # CPU only in unit tests with a stand-in flashinfer
@@ -142,7 +162,7 @@ class FlashInferPlanner:
             logits_soft_cap=self.softcap if self.softcap > 0 else None,
             sm_scale=self.scale,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
             non_blocking=True,
         )
 
@@ -152,11 +172,15 @@ class FlashInferPlanner:
             def buf(n: int) -> torch.Tensor:
                 return torch.zeros(n, dtype=torch.int32, device=self.device)
 
+            # Tensor-core decode runs FlashInfer's prefill kernels: FA2 for 16-bit caches under
+            # "auto" already; named for an FP8 cache (see prefill_backend).
+            backend = "fa2" if self.use_tensor_cores and is_fp8(self.kv_dtype) else "auto"
             self._decode[bucket] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace,
                 "NHD",
                 use_cuda_graph=True,
                 use_tensor_cores=self.use_tensor_cores,
+                backend=backend,
                 paged_kv_indptr_buffer=buf(bucket + 1),
                 paged_kv_indices_buffer=buf(bucket * self.max_blocks_per_seq),
                 paged_kv_last_page_len_buffer=buf(bucket),
@@ -227,7 +251,11 @@ class FlashInferPlanner:
         kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
         seq_lens: torch.Tensor,  # [S] int32, the op's metadata (read on the device only)
     ) -> torch.Tensor:  # [T, Hq, D], padded rows zero
-        """Run the planned wrapper; only decode plans may be captured in a CUDA graph."""
+        """Run the planned wrapper; only decode plans may be captured in a CUDA graph.
+
+        An FP8 cache is read as stored (scale 1): the caller folds ``k_scale`` into ``query`` and
+        ``v_scale`` into the output (:func:`~paged_ops.backends.flashinfer_host.fold_k_scale`).
+        """
         shape = self.step
         if shape is None:
             raise RuntimeError("FlashInfer backend: plan() must run before the forward")
@@ -272,22 +300,21 @@ class FlashInferPlanner:
         return out
 
     def jit_specs(self) -> list:
-        """FlashInfer JIT specs of the kernels this group will use (see ``prebuild``)."""
+        """FlashInfer JIT specs of the kernels this group will use (see ``prebuild``): one module
+        per (query dtype, cache dtype) pair, the same ``plan()`` will look up."""
         from flashinfer.jit.attention import gen_batch_decode_module, gen_batch_prefill_module
         from flashinfer.utils import determine_attention_backend
 
-        d, dt = self.head_dim, self.dtype
+        d, qt, kt = self.head_dim, self.dtype, self.kv_dtype
         variant = (0, self.window > 0, self.softcap > 0)  # (pos encoding NONE, window, softcap)
-        prefill_backend = determine_attention_backend(self.device, 0, False, False, dt, dt)
-        specs = [
-            gen_batch_prefill_module(
-                prefill_backend, dt, dt, dt, torch.int32, d, d, *variant, False
-            )
-        ]
+        backend = self.prefill_backend
+        if backend == "auto":
+            backend = determine_attention_backend(self.device, 0, False, False, qt, kt)
+        specs = [gen_batch_prefill_module(backend, qt, kt, qt, torch.int32, d, d, *variant, False)]
         if self.use_tensor_cores:  # tensor-core decode reuses the FA2 prefill kernels
             specs.append(
-                gen_batch_prefill_module("fa2", dt, dt, dt, torch.int32, d, d, *variant, False)
+                gen_batch_prefill_module("fa2", qt, kt, qt, torch.int32, d, d, *variant, False)
             )
         else:
-            specs.append(gen_batch_decode_module(dt, dt, dt, torch.int32, d, d, *variant))
+            specs.append(gen_batch_decode_module(qt, kt, qt, torch.int32, d, d, *variant))
         return specs

@@ -209,7 +209,6 @@ def paged_attention_kernel(
     num_tokens,
     num_q_heads,
     block_size,
-    head_dim,
     stride_ot,
     stride_oh,
     stride_qt,
@@ -226,6 +225,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     D_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # (a constant: when it equals D_PAD the column masks fold away)
     CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
@@ -246,7 +246,7 @@ def paged_attention_kernel(
     segment = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
-    d_mask = offs_d < head_dim
+    d_mask = offs_d < HEAD_DIM
     head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M] query head of each row
 
     # Spare programs (past every sequence's query blocks) zero the padded query rows.
