@@ -163,7 +163,12 @@ def run_paged_ops(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype: st
         ps = prompts(b, prompt_len, cfg.vocab_size)
         ws = prompts(b, prompt_len, cfg.vocab_size, variant=1)
         _, first = timed(lambda ws=ws: len(llm.generate(ws, warm, use_tqdm=False)))
-        n, dt = timed(lambda ps=ps: generated(llm, ps, params))
+        # timed twice (other prompts the second time): a kernel variant that the short warm-up
+        # did not meet compiles inside the first call; the faster call is the steady state
+        n, dt_first = timed(lambda ps=ps: generated(llm, ps, params))
+        again = prompts(b, prompt_len, cfg.vocab_size, variant=3)
+        n, dt = timed(lambda ps=again: generated(llm, ps, params))
+        dt = min(dt, dt_first)
         m = llm.last_metrics
         # the same workload with one host sync per step (LLM(overlap=False)), other prompts
         llm.overlap = False
@@ -171,6 +176,7 @@ def run_paged_ops(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype: st
         n_sync, dt_sync = timed(lambda ps=sync_ps: generated(llm, ps, params))
         llm.overlap = True
         rows.append(dict(batch=b, prompt_len=prompt_len, tokens=n, seconds=dt, tok_s=n / dt,
+                         tok_s_first_call=n / dt_first,
                          warmup_s=setup + first, ttft_ms=m.mean_time_to_first_token_s * 1e3,
                          steps=m.num_steps, decode_steps=m.num_decode_steps,
                          overlapped_steps=m.num_overlapped_steps,
@@ -178,7 +184,7 @@ def run_paged_ops(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype: st
                          num_blocks=cache.num_blocks, kv_cache_dtype=kv_cache_dtype,
                          kv_dtype=str(cache.dtype).removeprefix("torch."), kv_cache_gib=kv_gib,
                          calculate_kv_scales=bool(llm.pa.calculate_kv_scales)))  # fmt: skip
-        print(f"  b={b} x {prompt_len}: {n / dt:,.0f} tok/s ({m.num_steps} steps, {m.num_decode_steps} decode, "
+        print(f"  b={b} x {prompt_len}: {n / dt:,.0f} tok/s (first call {n / dt_first:,.0f}; {m.num_steps} steps, {m.num_decode_steps} decode, "
               f"{m.num_overlapped_steps} overlapped, TTFT {m.mean_time_to_first_token_s * 1e3:.0f} "
               f"ms); overlap off: {n_sync / dt_sync:,.0f} tok/s", flush=True)  # fmt: skip
     if args.profile:
