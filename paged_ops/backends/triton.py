@@ -147,8 +147,9 @@ def launch_config(
     Decode-like steps (``T <= 2 S``) use a 16-row M tile (one or a few tokens x the group); prefill
     and mixed steps a 64-row tile. When the one-pass grid would leave most SMs idle (small decode
     batches), the KV range is split into up to MAX_SEGMENTS segments. ``num_segments`` forces the split.
-    An FP8 cache decodes with 128-wide KV tiles, 3 stages and at least 2 segments (H100 sweep,
-    benchmarks/NOTES.md: 64 x 4096 at D=128 291 -> 271 us, 256 x 4096 1,094 -> 949 us).
+    An FP8 cache decodes with 128-wide KV tiles; at D=128 also 3 stages and at least 2 segments
+    (H100 sweeps, benchmarks/NOTES.md §10: 64 x 4096 291 -> 271 us, 256 x 4096 1,094 -> 949 us);
+    at D <= 64, 2 stages and no forced split (64 x 4096: 169 -> 137 us).
     """
     group = num_q_heads // num_kv_heads
     decode_like = num_tokens <= 2 * num_seqs
@@ -169,12 +170,12 @@ def launch_config(
             want = triton.cdiv(4 * num_sms, programs)  # ~4 waves: measured best on H200
             num_segments = min(MAX_SEGMENTS, triton.next_power_of_2(want), kv_tiles // 2)
             num_segments = 1 << (num_segments.bit_length() - 1)  # a power of two for tl.arange
-        if fp8_decode and kv_tiles >= 8:
+        if fp8_decode and d_pad > 64 and kv_tiles >= 8:
             num_segments = max(num_segments, 2)
     if num_segments < 1 or num_segments & (num_segments - 1):
         raise ValueError(f"num_segments must be a power of two >= 1, got {num_segments}")
     num_warps = 4 if block_m * d_pad <= 64 * 128 else 8
-    num_stages = 3 if fp8_decode else 2
+    num_stages = 3 if fp8_decode and d_pad > 64 else 2
     return LaunchConfig(block_m, block_q, tile_n, num_segments, num_warps, num_stages)
 
 
