@@ -125,3 +125,12 @@ def test_hf_generate_on_fp8_with_padding_and_beams_matches_one_by_one(model):
     # beam search copies partly filled blocks of an FP8 cache (byte copies)
     beams = twin.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=4, num_beams=3)
     assert beams.shape == (1, ids.shape[1] + 4)
+
+
+def test_llm_on_a_model_patched_with_fp8_keeps_it_and_names_a_conflicting_dtype(model):
+    patched = copy.deepcopy(model)
+    pa = patch_model(patched, backend="reference", kv_cache_dtype="fp8_e5m2", max_model_len=64)
+    llm = LLM(patched, compile=False, kv_cache_dtype="fp8_e5m2")
+    assert llm.pa is pa and llm.pa.kv_cache.data.dtype == torch.float8_e5m2
+    with pytest.raises(ValueError, match=r"kv_cache_dtype=torch.float32 \(the patched model has "):
+        LLM(patched, compile=False, kv_cache_dtype="auto")
