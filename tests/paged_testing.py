@@ -315,6 +315,19 @@ def attend(
     )  # fmt: skip
 
 
+def fp8_scales(
+    kind: str, num_kv_heads: int, device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(k_scale, v_scale) of ``kind`` "none", "layer" (``[]``) or "head" (``[Hkv]``): for K/V ~ N(0, 1)
+    they put the largest values near the top of e4m3's range."""
+    if kind == "none":
+        return None, None
+    if kind == "layer":
+        return torch.tensor(0.011, device=device), torch.tensor(0.0093, device=device)
+    k = torch.linspace(0.009, 0.02, num_kv_heads, device=device)
+    return k, k.flip(0) * 0.8
+
+
 def quantized_batch(
     batch: PagedBatch,
     fp8_dtype: torch.dtype,

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from paged_testing import make_batch, quantized_batch
+from paged_testing import fp8_scales, make_batch, quantized_batch
 
 from paged_ops import LayerConfig, MetadataBuilder, SequenceSlice
 from paged_ops.backends import LayerSpec, reference, resolve_backend
@@ -157,15 +157,6 @@ def test_scatter_kv_matches_reference_and_skips_padding(slots):
     reference.write_kv(key, value, expected, slot_mapping)
     scatter_kv(key, value, cache, slot_mapping)
     assert torch.equal(cache, expected)
-
-
-def fp8_scales(kind: str, num_kv_heads: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    if kind == "none":
-        return None, None
-    if kind == "layer":
-        return torch.tensor(0.011), torch.tensor(0.0093)
-    k = torch.linspace(0.009, 0.02, num_kv_heads)
-    return k, k.flip(0) * 0.8
 
 
 @pytest.mark.parametrize("kind", ["layer", "head", "none"])

@@ -8,7 +8,13 @@ import gc
 
 import pytest
 import torch
-from paged_testing import assert_matches_dense, dense_batch_f64, make_batch, quantized_batch
+from paged_testing import (
+    assert_matches_dense,
+    dense_batch_f64,
+    fp8_scales,
+    make_batch,
+    quantized_batch,
+)
 from paged_testing import write_and_attend as run
 
 import paged_ops
@@ -22,11 +28,6 @@ FP8 = [pytest.param(E4M3, id="e4m3"), pytest.param(E5M2, id="e5m2")]
 UNQUANTIZED_RTOL = {E4M3: 6e-2, E5M2: 1.2e-1}  # FP8's own error (see test_fp8_kv.py)
 
 
-def head_scales(num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    k = torch.linspace(0.009, 0.02, num_kv_heads, device="cuda")
-    return k, k.flip(0) * 0.8
-
-
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("per_head", [False, True], ids=["layer", "head"])
 def test_triton_write_is_bit_equal_to_the_quantization_rule(per_head, dtype):
@@ -34,7 +35,9 @@ def test_triton_write_is_bit_equal_to_the_quantization_rule(per_head, dtype):
     key = torch.randn(300, 8, 128, device="cuda", generator=g).bfloat16() * 3
     value = torch.randn(300, 8, 128, device="cuda", generator=g).bfloat16()
     key[0, 0, :6] = torch.tensor([1e-4, 3e-3, 1000.0, -1e5, 0.0, 7.75], device="cuda")
-    k_scale, v_scale = head_scales(8) if per_head else (torch.tensor(0.01, device="cuda"),) * 2
+    k_scale, v_scale = (
+        fp8_scales("head", 8, "cuda") if per_head else (torch.tensor(0.01, device="cuda"),) * 2
+    )
     slots = torch.randperm(64 * 16, device="cuda", generator=g)[:300]
     slots[7] = -1
     cache = torch.zeros(64, 2, 16, 8, 128, dtype=dtype, device="cuda")
@@ -56,7 +59,7 @@ def test_bf16_queries_on_an_fp8_cache_match_float64(group, head_dim, dtype):
         head_dim=head_dim, block_size=16, dtype=torch.bfloat16, device="cuda", pad_tokens=3,
         pad_seqs=1, seed=head_dim * group,
     )  # fmt: skip
-    k_scale, v_scale = head_scales(2)
+    k_scale, v_scale = fp8_scales("head", 2, "cuda")
     for segments in (None, 1, 8):
         batch = quantized_batch(base, dtype, k_scale, v_scale)
         out = run(batch, "triton", segments, k_scale=k_scale, v_scale=v_scale)

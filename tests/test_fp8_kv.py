@@ -10,8 +10,10 @@ import os
 import pytest
 import torch
 from paged_testing import (
+    PADDED_FEATURES,
     assert_matches_dense,
     dense_batch_f64,
+    fp8_scales,
     make_batch,
     quantized_batch,
     write_and_attend,
@@ -33,16 +35,6 @@ UNQUANTIZED_RTOL = {E4M3: 6e-2, E5M2: 1.2e-1}
 def needs_triton(backend: str) -> None:
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton on CPU tensors needs TRITON_INTERPRET=1 (test_triton_gpu.py on a GPU)")
-
-
-def scales(kind: str, num_kv_heads: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """K/V ~ N(0, 1): per-head scales put the largest values near the top of e4m3's range."""
-    if kind == "none":
-        return None, None
-    if kind == "layer":
-        return torch.tensor(0.011), torch.tensor(0.0093)
-    k = torch.linspace(0.009, 0.02, num_kv_heads)
-    return k, k.flip(0) * 0.8
 
 
 # ---- the quantization rule ----
@@ -77,7 +69,7 @@ def test_write_kv_stores_exactly_the_quantization_rule(backend, scale_kind, dtyp
     value = torch.randn(num_tokens, heads, dim, generator=g)
     # ties, subnormals, saturation and signed zeros, in every scale's units
     key[0, 0, :10] = torch.tensor([1e-4, 3e-3, -2e-3, 1000.0, -1e5, 0.0, -0.0, 7.75, 2**-9, 1.0625])
-    k_scale, v_scale = scales(scale_kind, heads)
+    k_scale, v_scale = fp8_scales(scale_kind, heads)
     slots = torch.randperm(8 * block, generator=g)[:num_tokens]
     slots[5] = -1
     cache = torch.zeros(8, 2, block, heads, dim, dtype=dtype)
@@ -111,7 +103,7 @@ def test_attention_matches_float64_on_the_dequantized_and_the_unquantized_kv(
         MIXED, num_q_heads=heads * group, num_kv_heads=heads, head_dim=32, block_size=4,
         pad_tokens=2, pad_seqs=1, seed=group,
     )  # fmt: skip
-    k_scale, v_scale = scales(scale_kind, heads)
+    k_scale, v_scale = fp8_scales(scale_kind, heads)
     batch = quantized_batch(base, dtype, k_scale, v_scale)
     out = write_and_attend(batch, backend, k_scale=k_scale, v_scale=v_scale)
     assert out.dtype == torch.float32
@@ -120,18 +112,7 @@ def test_attention_matches_float64_on_the_dequantized_and_the_unquantized_kv(
     assert_matches_dense(out, batch, dense_batch_f64(base, scale=scale), UNQUANTIZED_RTOL[dtype])
 
 
-FEATURES = {
-    "window": dict(sliding_window=5),
-    "softcap": dict(softcap=3.0, scale=0.4),
-    "sinks": dict(sinks=torch.tensor([-1.0, 0.0, 2.0, 0.5])),
-    "everything": dict(
-        sliding_window=6,
-        softcap=4.0,
-        scale=0.3,
-        sinks=torch.tensor([1.0, -1.0, 0.5, 2.0]),
-        alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
-    ),  # fmt: skip
-}
+FEATURES = ["window_4", "softcap", "sinks", "everything"]  # of PADDED_FEATURES (4 query heads)
 
 
 def _dense(kwargs: dict, head_dim: int) -> dict:
@@ -141,17 +122,17 @@ def _dense(kwargs: dict, head_dim: int) -> dict:
     )
 
 
-@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_layer_features_on_an_fp8_cache(backend, query_dtype, feature):
     needs_triton(backend)
-    kwargs = FEATURES[feature]
+    kwargs = PADDED_FEATURES[feature]
     base = make_batch(
         MIXED, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4, dtype=query_dtype,
         pad_tokens=1, seed=3,
     )  # fmt: skip
-    k_scale, v_scale = scales("head", 2)
+    k_scale, v_scale = fp8_scales("head", 2)
     batch = quantized_batch(base, E4M3, k_scale, v_scale)
     out = write_and_attend(batch, backend, k_scale=k_scale, v_scale=v_scale, **kwargs)
     assert out.dtype == query_dtype
@@ -169,7 +150,7 @@ def test_triton_split_kv_on_an_fp8_cache(dtype, num_segments):
         [(40, 1), (70, 1), (9, 1)], num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=8,
         dtype=torch.float16, pad_seqs=1, seed=7,
     )  # fmt: skip
-    k_scale, v_scale = scales("head", 2)
+    k_scale, v_scale = fp8_scales("head", 2)
     batch = quantized_batch(base, dtype, k_scale, v_scale)
     out = write_and_attend(batch, "triton", num_segments, k_scale=k_scale, v_scale=v_scale)
     assert_matches_dense(out, batch, dense_batch_f64(batch, scale=64**-0.5), rtol=3e-3)
@@ -178,7 +159,7 @@ def test_triton_split_kv_on_an_fp8_cache(dtype, num_segments):
 def test_triton_matches_reference_on_the_same_fp8_cache_bit_for_bit_in_the_write():
     needs_triton("triton")
     base = make_batch(MIXED, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, seed=9)
-    k_scale, v_scale = scales("head", 2)
+    k_scale, v_scale = fp8_scales("head", 2)
     outs, caches = [], []
     for backend in BACKENDS:
         batch = quantized_batch(base, E4M3, k_scale, v_scale)
@@ -202,7 +183,7 @@ def test_opcheck_with_an_fp8_cache(scale_kind, backend):
         [(3, 4), (5, 1)], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
         dtype=torch.float16, pad_tokens=1, pad_seqs=1,
     )  # fmt: skip
-    k_scale, v_scale = scales(scale_kind, 2)
+    k_scale, v_scale = fp8_scales(scale_kind, 2)
     batch = quantized_batch(base, E4M3, k_scale, v_scale)
     torch.library.opcheck(
         torch.ops.paged_ops.write_kv.default,
