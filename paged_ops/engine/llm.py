@@ -104,7 +104,9 @@ def _check_sizes(pa: PagedAttention, given: dict[str, Any]) -> None:
         "calculate_kv_scales": pa.calculate_kv_scales,
     }
     if "kv_cache_dtype" in given:
-        given = dict(given, kv_cache_dtype=resolve_kv_cache_dtype(given["kv_cache_dtype"], pa.dtype))
+        given = dict(
+            given, kv_cache_dtype=resolve_kv_cache_dtype(given["kv_cache_dtype"], pa.dtype)
+        )
     conflicts = [
         f"{k}={v!r} (the patched model has {have[k]!r})"
         for k, v in given.items()
