@@ -106,6 +106,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="torch.compile the forward (default: on CUDA only)",
     )
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache dtype; fp8 stores K/V in one byte (scales measured on the first prompt)",
+    )
 
 
 def build_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
@@ -121,9 +127,12 @@ def build_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
         max_model_len=args.max_model_len,
         compile=compile_,
         cuda_graphs=args.cuda_graphs,
+        kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.kv_cache_dtype != "auto",
     )
     print(
-        f"[{device.type}, backend {llm.pa.layer_backends[0]}, compile={compile_}] "
+        f"[{device.type}, backend {llm.pa.layer_backends[0]}, compile={compile_}, "
+        f"KV cache {llm.pa.kv_cache_dtype}] "
         f"ready in {time.perf_counter() - t0:.1f} s"
     )
     return llm
