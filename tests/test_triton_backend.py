@@ -207,6 +207,20 @@ def test_any_batch_composition_matches_dense_f64(
     assert_padding_rows_zero(out, batch)
 
 
+@pytest.mark.parametrize("num_segments", [None, 2], ids=["one_pass", "split_kv"])
+def test_steps_of_more_sequences_than_one_scan_find_every_sequence(num_segments):
+    # _find_seq narrows > 128 sequences by binary search, then counts the rest in one vector load:
+    # 300 sequences (decode rows, prefill and chunk rows among them, padded sequences at the end).
+    seqs = [(i % 7, 1) for i in range(300)]
+    seqs[5], seqs[130], seqs[257] = (0, 9), (3, 6), (11, 17)
+    batch = make_batch(
+        seqs, num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=4, pad_tokens=5, pad_seqs=3
+    )
+    out = run_triton(batch, num_segments=num_segments)
+    assert_matches_dense(out, batch, dense_batch_f64(batch, scale=16**-0.5), rtol=1e-5)
+    assert_padding_rows_zero(out, batch)
+
+
 def test_write_kv_matches_reference_and_skips_padding():
     batch = make_batch(
         [(3, 4), (0, 5)], num_q_heads=2, num_kv_heads=2, head_dim=24, block_size=4, pad_tokens=3

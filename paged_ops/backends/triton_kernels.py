@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
+SCAN = tl.constexpr(128)  # sequences one vector load covers in _find_seq
 
 
 @triton.jit
@@ -157,17 +158,26 @@ def write_kv_kernel(
 
 @triton.jit
 def _find_seq(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
-    """Largest ``s`` with ``cu[s] // BLOCK_Q + s <= target`` (the sequence of query block target)."""
+    """Largest ``s`` with ``cu[s] // BLOCK_Q + s <= target`` (the sequence of query block target).
+
+    The starts ``cu[s] // BLOCK_Q + s`` increase strictly with ``s``, so the answer is the number of
+    starts <= target, minus one. A binary search narrows ``[lo, hi)`` to at most ``SCAN`` sequences
+    (nothing to do for steps of <= SCAN sequences), then one vector load counts the rest: one
+    dependent memory round trip instead of log2(S) for every program of a decode step.
+    """
     lo = 0
     hi = num_seqs
-    while lo < hi:
+    while hi - lo > SCAN:
         mid = (lo + hi) // 2
         start = tl.load(cu_ptr + mid) // BLOCK_Q + mid
         if start <= target:
             lo = mid + 1
         else:
             hi = mid
-    return lo - 1
+    s = lo + tl.arange(0, SCAN)  # [SCAN] candidate sequences
+    valid = s < hi
+    starts = tl.load(cu_ptr + s, mask=valid, other=0) // BLOCK_Q + s
+    return lo + tl.sum((valid & (starts <= target)).to(tl.int32), 0) - 1
 
 
 @triton.jit

@@ -1,0 +1,126 @@
+"""Where a decode step's GPU time goes, by op class: matmuls, attention, KV write, fused pointwise.
+
+Builds the ``bench_generate.py`` model (Llama-3.2-1B shape, random bf16 weights), serves a batch of
+128-token prompts with ``LLM.generate`` under ``torch.profiler`` and sums each CUDA kernel's time
+into a class by its name. Prints a table per batch size and writes JSON:
+
+    python benchmarks/profile_decode.py --batches 1,8 --out benchmarks/results/profile_decode.json
+
+Kernel time per step = class total / number of steps of the profiled call (prefill included: one
+of ``--new-tokens`` steps). The top kernels of each class are listed, so a new kernel name that falls
+into "other" shows up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_generate as bg  # noqa: E402
+
+# (class, substrings of a kernel name), first match wins
+OP_CLASSES = (
+    ("inductor_fused", ("triton_poi", "triton_red", "triton_per")),  # names list the fused ops
+    ("kv_write", ("write_kv", "append_paged_kv", "scatter_kv")),
+    ("attention", ("paged_attention", "reduce_segments", "BatchDecode", "BatchPrefill",
+                   "flashinfer", "MergeStates", "PersistentVariableLength")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitK", "gemv", "small_linear",
+                "linear_kernel")),
+    ("copy_fill", ("Memcpy", "Memset", "memcpy", "memset", "copy", "fill", "elementwise")),
+)  # fmt: skip
+
+
+def op_class(name: str) -> str:
+    for cls, keys in OP_CLASSES:
+        if any(k in name for k in keys):
+            return cls
+    return "other"
+
+
+def profile_batch(llm, cfg, b: int, prompt_len: int, new_tokens: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from paged_ops import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    llm.generate(bg.prompts(b, prompt_len, cfg.vocab_size, variant=5), params, use_tqdm=False)
+    bg.sync()
+    t0 = time.perf_counter()
+    llm.generate(bg.prompts(b, prompt_len, cfg.vocab_size, variant=6), params, use_tqdm=False)
+    bg.sync()
+    wall = time.perf_counter() - t0
+    cuda = torch.cuda.is_available()
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU  # CPU: a smoke test
+    with profile(activities=[activity]) as prof:
+        llm.generate(bg.prompts(b, prompt_len, cfg.vocab_size, variant=7), params, use_tqdm=False)
+        bg.sync()
+    steps = llm.last_metrics.num_steps
+    per_class: dict[str, float] = defaultdict(float)
+    kernels: dict[str, list] = defaultdict(list)
+    for evt in prof.key_averages():
+        us = evt.self_device_time_total if cuda else evt.self_cpu_time_total
+        if us <= 0:
+            continue
+        cls = op_class(evt.key)
+        per_class[cls] += us / steps
+        kernels[cls].append((us / steps, evt.count / steps, evt.key[:90]))
+    total = sum(per_class.values())
+    row = dict(batch=b, steps=steps, wall_ms_per_step=wall / steps * 1e3,
+               tok_s=b * new_tokens / wall, kernel_us_per_step=total,
+               classes={k: round(v, 2) for k, v in sorted(per_class.items())},
+               top_kernels={k: [dict(us_per_step=round(u, 2), calls_per_step=round(c, 2), name=n)
+                                for u, c, n in sorted(v, reverse=True)[:6]]
+                            for k, v in kernels.items()})  # fmt: skip
+    print(f"\n--- b={b}: {steps} steps, {wall / steps * 1e3:.3f} ms/step wall "
+          f"({row['tok_s']:,.0f} tok/s), kernels {total:.1f} us/step ---")  # fmt: skip
+    for cls, us in sorted(per_class.items(), key=lambda kv: -kv[1]):
+        print(f"  {cls:15s} {us:8.1f} us/step  {100 * us / total:5.1f}%")
+        for u, c, n in sorted(kernels[cls], reverse=True)[:4]:
+            print(f"      {u:7.1f} us  x{c:5.1f}  {n}")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--max-model-len", type=int, default=400,
+                        help="as bench_generate's 128 + 256 + 16")  # fmt: skip
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from paged_ops import LLM
+
+    cfg = bg.llama_1b_config(args.layers, tiny=args.tiny)
+    batches = [int(x) for x in args.batches.split(",")]
+    on_cuda = bg.DEVICE.type == "cuda"
+    model = bg.build_model(cfg, bg.DEVICE)
+    t0 = time.perf_counter()
+    llm = LLM(model, backend=args.backend, max_num_seqs=max(2, *batches),
+              max_model_len=args.max_model_len, max_num_tokens=4096,
+              num_blocks=2 * max(batches) * -(-args.max_model_len // 16) + 8,
+              compile=on_cuda, cuda_graphs=on_cuda)  # fmt: skip
+    print(f"LLM ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows = [profile_batch(llm, cfg, b, args.prompt_len, args.new_tokens) for b in batches]
+    result = dict(device=torch.cuda.get_device_name() if on_cuda else platform.processor(),
+                  torch=torch.__version__, backend=args.backend, layers=args.layers,
+                  prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows)  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
