@@ -287,6 +287,7 @@ def paged_attention(
         IEEE_DOT=query.dtype == torch.float32,
         USE_K_SCALE=k_scale is not None,
         USE_V_SCALE=v_scale is not None,
+        FP8_CACHE=is_fp8(kv_cache.dtype),
         FP8_BITS=decode_bits,
         FP8_MAN=fp8["FP8_MAN"],
         FP8_BIAS=fp8["FP8_BIAS"],

@@ -245,6 +245,7 @@ def paged_attention_kernel(
     IEEE_DOT: tl.constexpr,
     USE_K_SCALE: tl.constexpr,
     USE_V_SCALE: tl.constexpr,
+    FP8_CACHE: tl.constexpr,  # the cache holds FP8 values: convert each K/V tile
     FP8_BITS: tl.constexpr,  # cache given as uint8 FP8 bit patterns (interpreter): decode by hand
     FP8_MAN: tl.constexpr,
     FP8_BIAS: tl.constexpr,
@@ -304,11 +305,13 @@ def paged_attention_kernel(
         scale = scale * ((127 - shift) << 23).to(tl.float32, bitcast=True)
 
     # KV positions any row of this block can see: [kv_lo, kv_hi). Padding queries (q_len > kv_len,
-    # left padding) sit at negative positions; a block of them has last_pos < 0 and, clamped to 0,
-    # an empty tile range: its rows keep m = -inf, l = 0 (or the sink alone) and store zeros.
+    # left padding) sit at negative positions; a block of them has last_pos < 0, so kv_hi <= 0 and
+    # tile_hi <= 0 <= tile_lo (with or without segments): an empty tile range, and its rows keep
+    # m = -inf, l = 0 (or the sink alone) and store zeros. (Not clamped with tl.maximum: that
+    # made prefill 5-10% slower on the H200, benchmarks/NOTES.md section 11.)
     first_pos = context + local * BLOCK_Q
     last_pos = tl.minimum(first_pos + BLOCK_Q, kv_len) - 1
-    kv_hi = tl.maximum(last_pos + 1, 0) if CAUSAL else kv_len
+    kv_hi = last_pos + 1 if CAUSAL else kv_len
     kv_lo = tl.maximum(first_pos - window + 1, 0) if USE_WINDOW else 0
     tile_lo = kv_lo // TILE_N
     tile_hi = tl.cdiv(kv_hi, TILE_N)
@@ -338,19 +341,25 @@ def paged_attention_kernel(
         blk = tl.load(table_row + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
         offs_kv = blk * stride_cn + (offs_n % block_size) * stride_cb  # [TILE_N]
         kv_mask = n_valid[:, None] & d_mask[None, :]
-        kv_ptrs = kv_base + offs_kv[:, None] + offs_d[None, :] * stride_cd
-        k = _load_kv(
-            kv_ptrs, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
-        )  # [TILE_N, D_PAD]
-        v = _load_kv(
-            kv_ptrs + stride_ckv,
-            kv_mask,
-            q.dtype,
-            FP8_BITS,
-            FP8_MAN,
-            FP8_BIAS,
-            FP8_SUB_ULP,
-        )  # [TILE_N, D_PAD]
+        if FP8_CACHE:
+            kv_ptrs = kv_base + offs_kv[:, None] + offs_d[None, :] * stride_cd
+            k = _load_kv(
+                kv_ptrs, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
+            )  # [TILE_N, D_PAD]
+            v = _load_kv(
+                kv_ptrs + stride_ckv, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
+            )  # [TILE_N, D_PAD]
+        else:
+            # (written out, not through _load_kv: that form made bf16 prefill 8-10% slower on the
+            # H200, benchmarks/NOTES.md section 11)
+            k = tl.load(
+                kv_base + offs_kv[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0
+            )  # [TILE_N, D_PAD]
+            v = tl.load(
+                kv_base + stride_ckv + offs_kv[:, None] + offs_d[None, :] * stride_cd,
+                mask=kv_mask,
+                other=0.0,
+            )  # [TILE_N, D_PAD]
         s = _dot(q, tl.trans(k), IEEE_DOT)
         s = s * scale  # [BLOCK_M, TILE_N] fp32
         if USE_SOFTCAP:
