@@ -28,6 +28,7 @@ before that call: model setup plus a first call (compiles, graph captures, autot
     python benchmarks/bench_generate.py --out benchmarks/results/generate_h100.json
     python benchmarks/bench_generate.py --quick            # 64 new tokens, batches 1 and 64
     python benchmarks/bench_generate.py --systems paged_ops --kv-cache-dtype auto,fp8 --long-prompts
+    python benchmarks/bench_generate.py --systems none --warmup-starts 2   # first / second start
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import argparse
 import gc
 import json
 import platform
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -123,12 +125,12 @@ def paged_ops_groups(
     return [(p, bs) for p, bs in groups.items() if bs]
 
 
-def run_paged_ops(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype: str = "auto"):
-    """``LLM.generate`` on every batch size of ``batches``, ``prompt_len``-token prompts."""
-    from paged_ops import LLM, SamplingParams
+def make_llm(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype: str = "auto", model=None):
+    """The benchmark's LLM for ``batches`` of ``prompt_len``-token prompts (on ``model``, else on
+    one built here)."""
+    from paged_ops import LLM
 
-    t0 = time.perf_counter()
-    model = build_model(cfg, DEVICE)
+    model = build_model(cfg, DEVICE) if model is None else model
     max_len = prompt_len + new_tokens + 16
     # twice what the largest batch needs in bf16 (room for the prefix cache), not most of the GPU:
     # the baselines run in the same process afterwards. Every cache dtype gets the same memory.
@@ -139,7 +141,7 @@ def run_paged_ops(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype: st
     )
     num_blocks = budget // kv_bytes_per_block(cfg, kv_cache_dtype)
     fp8 = kv_cache_dtype.startswith("fp8")
-    llm = LLM(
+    return LLM(
         model,
         backend=args.backend,
         max_num_seqs=max(batches),
@@ -151,11 +153,21 @@ def run_paged_ops(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype: st
         **(dict(kv_cache_dtype=kv_cache_dtype) if kv_cache_dtype != "auto" else {}),
         **(dict(calculate_kv_scales=True) if fp8 and args.calculate_kv_scales else {}),
     )
+
+
+def run_paged_ops(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype: str = "auto"):
+    """``LLM.generate`` on every batch size of ``batches``, ``prompt_len``-token prompts."""
+    from paged_ops import SamplingParams
+    from paged_ops.engine.runner import format_breakdown
+
+    t0 = time.perf_counter()
+    llm = make_llm(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype)
     setup = time.perf_counter() - t0
     cache = llm.pa.kv_cache
     kv_gib = cache.data.nbytes / 2**30
     print(f"  LLM ready in {setup:.1f} s (backend {llm.pa.layer_backends[0]}, KV cache "
           f"{cache.dtype}: {cache.num_blocks} blocks, {kv_gib:.2f} GiB)", flush=True)  # fmt: skip
+    print(f"  LLM warm-up {format_breakdown(llm.warmup_breakdown)}", flush=True)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     warm = SamplingParams(max_new_tokens=8, ignore_eos=True)
     rows = []
@@ -183,7 +195,8 @@ def run_paged_ops(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype: st
                          tok_s_no_overlap=n_sync / dt_sync, backend=llm.pa.layer_backends[0],
                          num_blocks=cache.num_blocks, kv_cache_dtype=kv_cache_dtype,
                          kv_dtype=str(cache.dtype).removeprefix("torch."), kv_cache_gib=kv_gib,
-                         calculate_kv_scales=bool(llm.pa.calculate_kv_scales)))  # fmt: skip
+                         calculate_kv_scales=bool(llm.pa.calculate_kv_scales),
+                         warmup_breakdown=llm.warmup_breakdown))  # fmt: skip
         print(f"  b={b} x {prompt_len}: {n / dt:,.0f} tok/s (first call {n / dt_first:,.0f}; {m.num_steps} steps, {m.num_decode_steps} decode, "
               f"{m.num_overlapped_steps} overlapped, TTFT {m.mean_time_to_first_token_s * 1e3:.0f} "
               f"ms); overlap off: {n_sync / dt_sync:,.0f} tok/s", flush=True)  # fmt: skip
@@ -361,9 +374,13 @@ def run_hf_native(cfg, batches, prompt_len, new_tokens, args):
     return rows
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``), with ``--quick`` and
+    ``--long-prompts`` applied and the KV cache dtypes checked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"comma list of {', '.join(SYSTEMS)}; 'none' for no system (only "
+                             "--warmup-starts)")  # fmt: skip
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -396,18 +413,34 @@ def main() -> None:
     parser.add_argument("--long-prompts", action="store_true",
                         help="paged_ops only: add the case 64x4096 (64 requests, 4096-token "
                              "prompts)")  # fmt: skip
+    parser.add_argument("--warmup-starts", type=int, default=0,
+                        help="paged_ops: build the LLM of the default cases this many times, each "
+                             "in a fresh process sharing one PAGED_OPS_CACHE_DIR (empty at the "
+                             "first start); reports each start's warm-up and its breakdown "
+                             "(benchmarks/bench_warmup.py)")  # fmt: skip
+    parser.add_argument(
+        "--warmup-cache-dir",
+        default=None,
+        help="--warmup-starts: the cache dir (default: a new empty temp dir)",
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
     parser.add_argument("--out", help="write the results as JSON here (after every system)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.new_tokens, args.batches = 64, "1,64"
     if args.long_prompts:
         args.extra_cases = ",".join(filter(None, [args.extra_cases, "64x4096"]))
-    batches = [int(b) for b in args.batches.split(",")]
-    kv_dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
-    for d in kv_dtypes:
+    args.kv_dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
+    for d in args.kv_dtypes:
         if d not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
             parser.error(f"--kv-cache-dtype: unknown {d!r} (auto, fp8, fp8_e4m3, fp8_e5m2)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    kv_dtypes = args.kv_dtypes
     groups = paged_ops_groups(batches, args.prompt_len, args.extra_cases)
     cfg = llama_1b_config(args.layers, tiny=args.tiny)
     results: dict[str, object] = {}
@@ -432,7 +465,9 @@ def main() -> None:
         return run
 
     system_names: list[str] = []
-    for name in args.systems.split(","):
+    for name in filter(None, args.systems.split(",")):
+        if name == "none":
+            continue
         system_names += [paged_ops_name(d) for d in kv_dtypes] if name == "paged_ops" else [name]
     runners = {
         **{paged_ops_name(d): paged_ops_runner(d) for d in kv_dtypes},
@@ -452,6 +487,15 @@ def main() -> None:
                 paged_ops_cases=[[b, p] for p, bs in groups for b in bs],
                 kv_budget_gib=args.kv_budget_gib,
                 calculate_kv_scales=args.calculate_kv_scales, tiny=args.tiny)  # fmt: skip
+    if args.warmup_starts > 0:
+        import bench_warmup
+
+        results["warmup"] = bench_warmup.measure_starts(
+            sys.argv[1:], args.warmup_starts, args.warmup_cache_dir
+        )
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"settings": meta, "results": results}, f, indent=2)
     for name in system_names:
         print(f"{name}:", flush=True)
         try:
@@ -463,8 +507,10 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"settings": meta, "results": results}, f, indent=2)
-    print_table(results, [(b, p) for p, bs in groups for b in bs])
-    print_kv_table(results)
+    if system_names:
+        print_table({k: v for k, v in results.items() if k != "warmup"},
+                    [(b, p) for p, bs in groups for b in bs])  # fmt: skip
+        print_kv_table(results)
 
 
 def paged_ops_name(kv_cache_dtype: str) -> str:

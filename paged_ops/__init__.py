@@ -10,7 +10,14 @@ from typing import Any
 
 from paged_ops.backends import LayerSpec, available_backends
 from paged_ops.cache import BlockAllocator, KVCache, OutOfBlocksError, blocks_needed
-from paged_ops.engine import LLM, GenerationMetrics, RequestOutput, SamplingParams, StreamChunk
+from paged_ops.engine import (
+    LLM,
+    GenerationMetrics,
+    RequestOutput,
+    SamplingParams,
+    StreamChunk,
+    configure_compile_caches,
+)
 from paged_ops.metadata import AttentionMetadata, MetadataBuilder, SequenceSlice
 from paged_ops.module import LayerConfig, PagedAttention
 from paged_ops.ops import paged_attention, write_kv
@@ -32,6 +39,7 @@ __all__ = [
     "StreamChunk",
     "available_backends",
     "blocks_needed",
+    "configure_compile_caches",
     "paged_attention",
     "write_kv",
 ]

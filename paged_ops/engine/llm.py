@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import random
 import time
 import warnings
@@ -14,8 +16,9 @@ from torch import nn
 
 from paged_ops.cache import KVCache, blocks_needed
 from paged_ops.engine import fusion
+from paged_ops.engine.compile_cache import configure_compile_caches
 from paged_ops.engine.params import GenerationMetrics, RequestOutput, SamplingParams, StreamChunk
-from paged_ops.engine.runner import ModelRunner
+from paged_ops.engine.runner import ModelRunner, format_breakdown
 from paged_ops.engine.sampler import SamplingBatch, sample
 from paged_ops.engine.scheduler import ScheduledBatch, Scheduler
 from paged_ops.engine.scheduler import Sequence as Seq
@@ -23,6 +26,7 @@ from paged_ops.fp8 import resolve_kv_cache_dtype
 from paged_ops.module import PagedAttention
 
 _CPU_KV_BYTES = 1 << 30  # default KV budget on CPU
+logger = logging.getLogger("paged_ops")
 
 
 @dataclass
@@ -168,6 +172,16 @@ class LLM:
             real tokens measures each layer's and head's K/V amax and fixes the scales at
             ``amax / (fp8_max / 2)``; tokens of later requests beyond twice that range saturate
             (a warning says so at construction).
+        cache_dir: where compiled code is kept between processes (Inductor's FX graph, AOTAutograd
+            and autotune caches, Triton's kernels, FlashInfer's JIT modules): ``None`` for
+            ``$PAGED_OPS_CACHE_DIR`` or ``~/.cache/paged_ops``, ``False`` to leave each tool's own
+            default; a tool's own variable set by the user wins either way
+            (:func:`~paged_ops.engine.compile_cache.configure_compile_caches`).
+
+    After construction, ``warmup_s`` is the construction's wall time and ``warmup_breakdown``
+    says where it went (``setup_s``: patching and sizing the cache; the rest from
+    :meth:`~paged_ops.engine.runner.ModelRunner.warm_up`; ``total_s``); it is also logged at INFO
+    on the ``paged_ops`` logger.
 
     Example:
         >>> llm = LLM(model, tokenizer)
@@ -194,6 +208,7 @@ class LLM:
         fuse_projections: bool = True,
         kv_cache_dtype: str | torch.dtype | None = None,
         calculate_kv_scales: bool | None = None,
+        cache_dir: str | os.PathLike[str] | bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
@@ -202,6 +217,10 @@ class LLM:
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
             )
         t0 = time.perf_counter()
+        self.compile_caches: dict[str, str] = {}  # each tool's cache variable -> its directory
+        if cache_dir is not False:  # before anything compiles or imports flashinfer
+            root = None if cache_dir is None or cache_dir is True else cache_dir
+            self.compile_caches = configure_compile_caches(root)
         model.eval()
         self.model, self.tokenizer = model, tokenizer
         sizes = dict(
@@ -239,7 +258,8 @@ class LLM:
             cuda_graphs=cuda_graphs,
             fuse_projections=fuse_projections,
         )
-        self.runner.warm_up()
+        setup_s = time.perf_counter() - t0
+        breakdown = self.runner.warm_up()
         self.pa.clear_step()
         if self.pa.calculate_kv_scales:
             self.pa.recalibrate_kv_scales()  # the warm-up's dummy tokens measured nothing real
@@ -249,6 +269,10 @@ class LLM:
                 stacklevel=2,
             )
         self.warmup_s = time.perf_counter() - t0
+        self.warmup_breakdown: dict[str, Any] = dict(
+            setup_s=setup_s, **breakdown, total_s=self.warmup_s
+        )
+        logger.info("LLM warm-up %s", format_breakdown(self.warmup_breakdown))
         self.last_metrics = GenerationMetrics()
         self._next_id = 0
         self._rng = random.Random()

@@ -24,7 +24,9 @@ step's sampled ids on the device (``batch.feed_rows``): a device copy, no host r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -95,6 +97,7 @@ class ModelRunner:
         self.buckets = graph_buckets(self.max_num_seqs) if self.use_graphs else []
         # bucket -> (graph, its static outputs: logits [bucket, V], greedy ids [bucket])
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.warmup_breakdown: dict[str, Any] = {}  # filled by warm_up
 
     def _count_fused(self, removed: int) -> None:
         self.num_fused_linears += removed
@@ -183,12 +186,14 @@ class ModelRunner:
         logits, greedy = self._call(num_tokens)
         return logits[:num_seqs], greedy[:num_seqs]
 
-    @torch.inference_mode()
-    def warm_up(self) -> None:
-        """Compile the forward for prefill and decode shapes, then capture the decode graphs.
+    def _elapsed(self, since: float) -> float:
+        """Seconds since ``since``, once the device has finished the work queued so far."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - since
 
-        Uses only KV block 0 (nobody holds blocks yet), so it must run before any request.
-        """
+    def _warm_up_shapes(self) -> list[tuple[int, int]]:
+        """``(T, S)`` steps that the warm-up runs, in order, each once."""
         shapes = [(min(16, self.max_num_tokens), 2), (2, 2)]
         if self.device.type == "cuda":
             # Kernels JIT-compile a variant per launch configuration (tiles and KV splits chosen
@@ -198,21 +203,52 @@ class ModelRunner:
                 for t in (seqs, seqs + 1, 2 * seqs + 1, 64, 255, 1024, 4096, self.max_num_tokens):
                     if seqs <= t <= self.max_num_tokens:
                         shapes.append((t, seqs))
-        for tokens, seqs in shapes:
+        return list(dict.fromkeys(shapes))
+
+    @torch.inference_mode()
+    def warm_up(self) -> dict[str, Any]:
+        """Compile the forward for prefill and decode shapes, then capture the decode graphs.
+
+        Uses only KV block 0 (nobody holds blocks yet), so it must run before any request.
+
+        Returns:
+            where the time went (also kept as ``warmup_breakdown``), seconds unless a count:
+            ``compile_s`` the first forward (Dynamo's trace, then Inductor's compile or its FX
+            graph cache; eager without ``compile``), ``shapes_s`` the other ``num_shapes - 1``
+            warm-up steps (kernel variants JIT-built or loaded from Triton's cache),
+            ``graph_warmup_s`` the runs before captures, ``capture_s`` the ``num_graphs``
+            captures, ``capture_each_s`` each bucket's run + capture.
+        """
+        shapes = self._warm_up_shapes()
+        times: dict[str, Any] = dict(compile_s=0.0, shapes_s=0.0, num_shapes=len(shapes))
+        for i, (tokens, seqs) in enumerate(shapes):
+            t0 = time.perf_counter()
             n = min(tokens // seqs, self.pa.max_model_len)
             slices = [SequenceSlice([0] * -(-n // self.pa.block_size), 0, n)] * seqs
             self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
             self._load_ids([0] * (n * seqs), tokens)
             self._call(tokens)
+            times["compile_s" if i == 0 else "shapes_s"] += self._elapsed(t0)
+        times.update(graph_warmup_s=0.0, capture_s=0.0, num_graphs=0, capture_each_s={})
+        self.warmup_breakdown = times
         if not self.use_graphs:
-            return
+            return times
+        # Captures run one after another: torch captures one graph per stream at a time, and every
+        # bucket's capture arms the same PagedAttention step state (metadata buffers, plans).
         pool = None
         for bucket in reversed(self.buckets):  # largest first: later graphs reuse its pool
+            t0 = time.perf_counter()
             slices = [SequenceSlice([0], 0, 1)] * bucket
-            self.pa.prepare_slices(slices, num_tokens=bucket, num_seqs=bucket)
-            self._load_ids([0] * bucket, bucket)
-            self._call(bucket)  # warm-up run (compiles / autotunes outside the capture)
-            torch.cuda.synchronize(self.device)
+            if (bucket, bucket) not in shapes:
+                # Run the step once outside the capture: kernel variants of this bucket (its
+                # KV split, Triton's integer specialisations) compile and Inductor's kernels
+                # autotune here, never inside the capture. A bucket whose exact step (one new
+                # token per sequence, block 0) was among the warm-up shapes has met them all.
+                self.pa.prepare_slices(slices, num_tokens=bucket, num_seqs=bucket)
+                self._load_ids([0] * bucket, bucket)
+                self._call(bucket)
+                times["graph_warmup_s"] += self._elapsed(t0)
+            t1 = time.perf_counter()
             # a forward consumes its prepared step: the captured one gets its own, as each replay
             self.pa.prepare_slices(slices, num_tokens=bucket, num_seqs=bucket)
             graph = torch.cuda.CUDAGraph()
@@ -220,4 +256,21 @@ class ModelRunner:
                 outputs = self._call(bucket)  # logits [bucket, V], greedy ids [bucket]
             pool = graph.pool()
             self._graphs[bucket] = (graph, outputs)
-        torch.cuda.synchronize(self.device)
+            times["capture_s"] += self._elapsed(t1)
+            times["capture_each_s"][bucket] = round(self._elapsed(t0), 4)
+            times["num_graphs"] += 1
+        return times
+
+
+def format_breakdown(times: dict[str, Any]) -> str:
+    """One log line of a warm-up breakdown (:meth:`ModelRunner.warm_up`, ``LLM.warmup_breakdown``)."""
+    line = (
+        f"compile {times['compile_s']:.2f} s, {times['num_shapes'] - 1} more shapes "
+        f"{times['shapes_s']:.2f} s, {times['num_graphs']} graphs {times['graph_warmup_s']:.2f} s "
+        f"warm-up + {times['capture_s']:.2f} s capture"
+    )
+    if "setup_s" in times:
+        line = f"setup {times['setup_s']:.2f} s, " + line
+    if "total_s" in times:
+        line = f"{times['total_s']:.2f} s: " + line
+    return line

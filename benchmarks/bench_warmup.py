@@ -1,0 +1,115 @@
+"""Warm-up of paged_ops' LLM on a first start and on later starts, each in a fresh process.
+
+``bench_generate.py --warmup-starts N`` calls :func:`measure_starts`: it runs this file N times as
+a child process with ``bench_generate``'s own command line. Each child builds the benchmark's model
+and the LLM of its default cases (``make_llm``: same backend, batch bucket, token budget, KV cache)
+and reports the LLM's construction time (``warmup_s``, what the issue's "warm-up" means) and its
+breakdown (``LLM.warmup_breakdown``), plus the model build and one short ``generate`` after it.
+Every child shares one ``PAGED_OPS_CACHE_DIR`` (a new empty temp dir unless
+``--warmup-cache-dir``) and gets none of the tools' own cache variables, so the first start
+compiles everything (Inductor, Triton, FlashInfer JIT) and later ones only find it on disk:
+nothing else carries over between processes.
+
+    python benchmarks/bench_generate.py --systems none --warmup-starts 2 --out warmup.json
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_generate as bg  # noqa: E402
+
+MARK = "PAGED_OPS_WARMUP_START "  # the child's result line on stdout
+TOOL_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE")
+
+
+def measure_starts(argv: list[str], num_starts: int, cache_dir: str | None = None) -> dict:
+    """Run ``num_starts`` children with ``bench_generate``'s ``argv`` sharing one cache dir."""
+    root = cache_dir or tempfile.mkdtemp(prefix="paged_ops_warmup_")
+    env = {k: v for k, v in os.environ.items() if k not in TOOL_CACHE_VARS}
+    env["PAGED_OPS_CACHE_DIR"] = root
+    print(
+        f"warm-up starts ({num_starts}, fresh processes, PAGED_OPS_CACHE_DIR={root}):", flush=True
+    )
+    starts = []
+    for i in range(num_starts):
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, __file__, *argv], env=env, stdout=subprocess.PIPE, text=True
+        )
+        wall = time.perf_counter() - t0
+        lines = [x for x in proc.stdout.splitlines() if x.startswith(MARK)]
+        if proc.returncode or not lines:
+            tail = proc.stdout.strip().splitlines()[-5:]
+            starts.append({"error": f"exit code {proc.returncode}", "stdout_tail": tail})
+            print(f"  start {i + 1}: failed ({proc.returncode}): {tail}", flush=True)
+            continue
+        start = dict(json.loads(lines[-1].removeprefix(MARK)), process_s=wall)
+        starts.append(start)
+        print(f"  start {i + 1}: LLM warm-up {start['breakdown_text']}; "
+              f"model {start['model_s']:.1f} s, first generate {start['first_generate_s']:.2f} "
+              f"s, process {wall:.1f} s", flush=True)  # fmt: skip
+    out: dict = {"cache_dir": root, "starts": starts}
+    for i, key in enumerate(("warmup_first_start_s", "warmup_second_start_s")):
+        out[key] = starts[i].get("warmup_s") if i < len(starts) else None
+    shown = [f"{s['warmup_s']:.1f} s" if "warmup_s" in s else "failed" for s in starts]
+    print(f"  LLM warm-up per start: {', '.join(shown)}", flush=True)
+    return out
+
+
+def compile_phases(top: int = 12) -> dict[str, float]:
+    """The slowest of torch.compile's timed phases in this process (seconds, summed per name):
+    Dynamo's trace, AOTAutograd, Inductor's lowering and codegen, cache loads, ..."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    totals = {name: round(sum(ts), 3) for name, ts in compilation_time_metrics.items()}
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:top])
+
+
+def child(argv: list[str]) -> None:
+    """One start: build the LLM of ``bench_generate``'s default cases, print its warm-up."""
+    from paged_ops import SamplingParams
+    from paged_ops.engine.compile_cache import compile_cache_status
+    from paged_ops.engine.runner import format_breakdown
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("paged_ops").setLevel(logging.INFO)  # the cache dirs and the breakdown
+    args = bg.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    cfg = bg.llama_1b_config(args.layers, tiny=args.tiny)
+    t0 = time.perf_counter()
+    model = bg.build_model(cfg, bg.DEVICE)
+    bg.sync()
+    model_s = time.perf_counter() - t0
+    llm = bg.make_llm(cfg, batches, args.prompt_len, args.new_tokens, args, args.kv_dtypes[0],
+                      model)  # fmt: skip
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    ps = bg.prompts(max(batches), args.prompt_len, cfg.vocab_size)
+    _, first = bg.timed(lambda: len(llm.generate(ps, params, use_tqdm=False)))
+    result = dict(
+        warmup_s=llm.warmup_s,
+        breakdown=llm.warmup_breakdown,
+        breakdown_text=format_breakdown(llm.warmup_breakdown),
+        model_s=model_s,
+        first_generate_s=first,
+        compile_caches=llm.compile_caches,
+        cache_status=compile_cache_status(),
+        compile_phases_s=compile_phases(),
+        backend=llm.pa.layer_backends[0],
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    )
+    print(MARK + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    child(sys.argv[1:])
