@@ -129,7 +129,8 @@ CHILD = textwrap.dedent(
     llm = LLM(tiny_llama(), **SIZES)  # compiled with Inductor
     out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4), use_tqdm=False)
     print(json.dumps(dict(tokens=out[0].token_ids, caches=llm.compile_caches,
-                          hits=counters["inductor"]["fxgraph_cache_hit"])))
+                          hits=counters["inductor"]["fxgraph_cache_hit"],
+                          aot_hits=counters["aot_autograd"]["autograd_cache_hit"])))
     """
 )
 
@@ -154,4 +155,6 @@ def test_a_second_process_loads_the_compiled_graph_from_the_cache_dir(tmp_path):
     assert runs[0]["tokens"] == runs[1]["tokens"]
     assert runs[0]["caches"]["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     assert (runs[0]["hits"], runs[1]["hits"]) == (0, 1)
+    # AOTAutograd's cache too (it refused graphs whose fused-projection parts had no example value)
+    assert (runs[0]["aot_hits"], runs[1]["aot_hits"]) == (0, 1)
     assert (tmp_path / "inductor" / "fxgraph").is_dir()

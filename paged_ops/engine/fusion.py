@@ -182,6 +182,9 @@ def _replace_run(
         parts = graph.call_function(torch.split, (fused, sizes, -1))
         outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(run))]
     for node, out in zip(run, outs, strict=True):
+        # the part has the replaced call's value (shape, dtype): AOTAutograd's cache reads it
+        if "example_value" in node.meta:
+            out.meta["example_value"] = node.meta["example_value"]
         node.replace_all_uses_with(out)
         graph.erase_node(node)
 
