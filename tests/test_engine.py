@@ -267,6 +267,21 @@ def test_compiled_forward_does_not_recompile_across_steps(monkeypatch):
     ]
 
 
+def test_one_sequence_at_a_time_serves_every_request(models, monkeypatch):
+    # max_num_seqs=1: steps cannot pad to two sequences (the warm-up used to, and raised)
+    monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    prompts = prompts_of([5, 2, 7], seed=11)
+    params = SamplingParams(max_new_tokens=5)
+    outs = {}
+    for compiled in (False, True):
+        llm = make_llm(models, max_num_seqs=1, max_model_len=32, num_blocks=32, compile=compiled)
+        assert llm.runner.buckets == []  # no CUDA graphs on CPU; graph_buckets(1) == [1]
+        outs[compiled] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs[False] == outs[True] == [hf_greedy(models[0], p, 5) for p in prompts]
+    assert runner.graph_buckets(1) == [1] and runner.graph_buckets(3) == [2, 3]
+
+
 def test_llm_serves_a_model_the_caller_already_patched(models):
     from paged_ops.integrations.transformers import patch_model
 

@@ -41,10 +41,11 @@ INNER_BACKEND = "inductor"  # what compiles the graph after projection fusion (t
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes that get a CUDA graph: 2, 4, 8, 16, 32, then multiples of 32."""
+    """Decode batch sizes that get a CUDA graph: 2, 4, 8, 16, 32, then multiples of 32, up to and
+    including ``max_num_seqs`` (a graph of one sequence only when no more fit)."""
     sizes = [b for b in (2, 4, 8, 16) if b < max_num_seqs]
     sizes += list(range(32, max_num_seqs, 32))
-    return sorted(set(sizes + [max(max_num_seqs, 2)]))
+    return sorted(set(sizes + [max_num_seqs]))
 
 
 def _no_duck_shapes():  # returns a context manager
@@ -194,7 +195,8 @@ class ModelRunner:
 
     def _warm_up_shapes(self) -> list[tuple[int, int]]:
         """``(T, S)`` steps that the warm-up runs, in order, each once."""
-        shapes = [(min(16, self.max_num_tokens), 2), (2, 2)]
+        least = min(2, self.max_num_seqs)  # steps pad to two sequences unless only one fits
+        shapes = [(min(16, self.max_num_tokens), least), (2, least)]
         if self.device.type == "cuda":
             # Kernels JIT-compile a variant per launch configuration (tiles and KV splits chosen
             # from T and S, integer specialisations): meet them here, not in the first requests.
