@@ -7,6 +7,9 @@ addresses never change (no recompiles, CUDA graphs replay without input copies).
 
 Padding rules (the op contract): tokens past the real ones have slot ``-1`` and position 0; padded
 sequences have query length 0 and KV length 0 (``cu_seqlens_q`` repeats its last value).
+
+Each step also gets a *kind* (:data:`STEP_KINDS`), decided on the host from the batch: "auto"
+backends are chosen per kind (:mod:`paged_ops.backends.cost_table`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from paged_ops.cache import blocks_needed
+
+# "decode": every real sequence adds one token (the engine's CUDA-graph steps); "prefill": no
+# sequence is a decode row (one new token after cached context); "mixed": the rest (chunked
+# prefill next to decodes).
+STEP_KINDS: tuple[str, ...] = ("decode", "prefill", "mixed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +72,9 @@ class AttentionMetadata:
     host_seq_lens: torch.Tensor | None
     host_block_table: torch.Tensor | None
     has_padding_queries: bool = False  # some sequence has padding before its tokens
+    step_kind: str = "mixed"  # one of STEP_KINDS
+    attention_pairs: int = 0  # causal query-key pairs of the real tokens (per head)
+    computed_on_device: bool = False  # built by decode_step: no host facts, nothing planned
 
     @property
     def padded_num_tokens(self) -> int:
@@ -77,6 +88,23 @@ class AttentionMetadata:
     def is_decode(self) -> bool:
         """Every real sequence adds exactly one token."""
         return self.max_query_len == 1
+
+
+def classify_step(seqs: Sequence[SequenceSlice]) -> str:
+    """The step's kind (one of :data:`STEP_KINDS`) from its slices; padding queries count as
+    query tokens (a step with them runs on unplanned backends whatever its kind)."""
+    query_lens = [s.num_new_tokens + s.num_pad_before for s in seqs]
+    if query_lens and max(query_lens) == 1:
+        return "decode"
+    if any(n == 1 and s.context_len > 0 for n, s in zip(query_lens, seqs, strict=True)):
+        return "mixed"
+    return "prefill"
+
+
+def attention_pairs(seqs: Sequence[SequenceSlice]) -> int:
+    """Causal query-key pairs per head of the step's real tokens: ``q * ctx + q * (q + 1) / 2``
+    per sequence (the attention FLOPs are ``4 * Hq * D`` times this)."""
+    return sum(s.num_new_tokens * (2 * s.context_len + s.num_new_tokens + 1) // 2 for s in seqs)
 
 
 def _regions(max_tokens: int, max_seqs: int, max_blocks: int) -> dict[str, tuple[torch.dtype, int]]:
@@ -245,6 +273,8 @@ class MetadataBuilder:
             host_seq_lens=host["seq_lens"][:num_seqs],
             host_block_table=host["block_table"][:num_seqs],
             has_padding_queries=any(s.num_pad_before for s in seqs),
+            step_kind=classify_step(seqs),
+            attention_pairs=attention_pairs(seqs),
         )
 
     def device_views(self) -> dict[str, torch.Tensor]:
@@ -298,6 +328,8 @@ class MetadataBuilder:
             host_cu_seqlens_q=None,
             host_seq_lens=None,
             host_block_table=None,
+            step_kind="decode",
+            computed_on_device=True,
         )
         return md, new_lens, fits
 

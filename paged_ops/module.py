@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from paged_ops.backends import LayerSpec, get_backend, resolve_backend
+from paged_ops.backends import LayerSpec, resolve_backend
+from paged_ops.backends.by_step import LayerRouting, is_planned
 from paged_ops.cache import BlockAllocator, KVCache, OutOfBlocksError, blocks_needed
 from paged_ops.fp8 import fp8_max, is_fp8, resolve_kv_cache_dtype
 from paged_ops.metadata import AttentionMetadata, MetadataBuilder, SequenceSlice
@@ -57,7 +58,9 @@ class PagedAttention(nn.Module):
         max_num_tokens: most tokens per step (default ``max(max_model_len, max_num_seqs)``).
         max_model_len: longest sequence (prompt + generated).
         dtype, device: the model's q/k/v dtype and device.
-        backend: "auto", "reference", "triton" or "flashinfer", resolved per layer.
+        backend: "reference", "triton" or "flashinfer" for every layer and step, or "auto": per
+            layer group and step kind (decode, prefill, mixed) from measured costs, never slower
+            than triton (:mod:`paged_ops.backends.cost_table`; see :meth:`backend_table`).
         kv_cache_dtype: the cache's dtype: ``None``/"auto" = ``dtype``; "fp8"/"fp8_e4m3"
             (``torch.float8_e4m3fn``) or "fp8_e5m2" (``torch.float8_e5m2``) store K/V in one byte,
             quantized with float32 scales per layer and KV head (``k_scales``/``v_scales``
@@ -154,12 +157,9 @@ class PagedAttention(nn.Module):
         self._resolve_backends(backend)
 
     def _resolve_backends(self, backend: str) -> None:
-        """Pick each layer's backend, and one planner per group of layers that share parameters."""
-        device = self.kv_cache.device
-        self.layer_backends: list[str] = []
-        specs = []
-        for cfg in self.layers:
-            spec = LayerSpec(
+        """Pick each layer group's backend per step kind, and its planners (see LayerRouting)."""
+        specs = [
+            LayerSpec(
                 head_dim=self.head_dim,
                 num_q_heads=self.num_q_heads,
                 num_kv_heads=self.num_kv_heads,
@@ -170,29 +170,31 @@ class PagedAttention(nn.Module):
                 softcap=cfg.softcap,
                 has_sinks=cfg.has_sinks,
             )
-            specs.append(spec)
-            self.layer_backends.append(resolve_backend(backend, spec, device))
-        # Steps with padding queries (q_len > seq_len) skip host-planned backends: FlashInfer's
-        # plans assume every query has keys. Those layers use triton (else reference) then.
+            for cfg in self.layers
+        ]
+        self.routing = LayerRouting(self, backend, specs, self.layers)
+        self.planners = self.routing.planners
+        # (backend, plan handle) each layer's op is called with: a backend, or "by_step" and a
+        # router when the group's backend depends on the step kind (chosen in use_step).
+        self.layer_routes = self.routing.layer_routes
+        # The decode choice of each layer (what a CUDA graph replays) and its plan handle.
+        self.layer_backends = [name for name, _ in self.routing.routes("decode")]
+        self.layer_plan_handles = [handle for _, handle in self.routing.routes("decode")]
+        # Steps with padding queries (q_len > seq_len) and steps computed on the device skip
+        # host-planned backends: FlashInfer's plans assume every query has keys, and need the
+        # host. Those layers use triton (else reference) then.
         self.padding_backends = [
-            name if getattr(get_backend(name), "make_planner", None) is None else _unplanned(spec)
+            name if not is_planned(name) else _unplanned(spec)
             for name, spec in zip(self.layer_backends, specs, strict=True)
         ]
         # KV writes go through the first layer's backend; every backend obeys one cache layout.
         self.write_backend = self.layer_backends[0]
-        self.planners: list = []
-        self.layer_plan_handles = [-1] * len(self.layers)
-        groups: dict[tuple, list[int]] = {}
-        for i, (name, cfg) in enumerate(zip(self.layer_backends, self.layers, strict=True)):
-            groups.setdefault((name, cfg), []).append(i)
-        for (name, cfg), indices in groups.items():
-            make_planner = getattr(get_backend(name), "make_planner", None)
-            if make_planner is None:
-                continue
-            planner = make_planner(self, cfg)
-            self.planners.append(planner)
-            for i in indices:
-                self.layer_plan_handles[i] = planner.handle
+
+    def backend_table(self) -> dict[str, list[str]]:
+        """The backend of each layer per step kind: ``{"decode": [...], "prefill": [...],
+        "mixed": [...]}``. With "auto", a prefill step too small to repay a host plan runs on
+        the "mixed" backends, and on an unknown GPU the table fills at the first step."""
+        return self.routing.backend_table()
 
     # ---- FP8 scales ----
 
@@ -317,9 +319,7 @@ class PagedAttention(nn.Module):
         Plans the host-planned backends for it. ``key`` identifies the step (``pending_step``);
         ``owner`` is kept alive until the next step (e.g. the blocks of a one-forward batch).
         """
-        if not metadata.has_padding_queries:  # such steps run on padding_backends, unplanned
-            for planner in self.planners:
-                planner.plan(metadata)
+        self.routing.plan(metadata)  # each group's backend for the step's kind, planned
         self.metadata, self.pending_step, self.step_owner = metadata, key, owner
         return metadata
 
@@ -360,8 +360,8 @@ class PagedAttention(nn.Module):
             raise RuntimeError("PagedAttention.prepare() must run before the forward")
         cfg = self.layers[layer_idx]
         cache = self.kv_cache.layers[layer_idx]  # [N, 2, B, Hkv, D]
-        backend, handle = self.layer_backends[layer_idx], self.layer_plan_handles[layer_idx]
-        if md.has_padding_queries:
+        backend, handle = self.layer_routes[layer_idx]
+        if md.has_padding_queries or md.computed_on_device:  # nothing planned for the step
             backend, handle = self.padding_backends[layer_idx], -1
         k_scale = v_scale = None
         if self.k_scales is not None and self.v_scales is not None:

@@ -137,7 +137,8 @@ def test_steps_with_padding_queries_skip_planned_backends():
     pa = PagedAttention(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, num_blocks=8,
                         block_size=4, max_model_len=16)  # fmt: skip
     plans = []
-    pa.planners = [type("Spy", (), {"plan": lambda self, md: plans.append(md)})()]
+    spy = type("Spy", (), {"plan": lambda self, md: plans.append(md), "handle": -1})()
+    pa.routing.groups[0].planners["reference"] = spy  # as if the layer's backend planned
     padded = pa.builder.build([SequenceSlice([0], 0, 2, num_pad_before=3)])
     assert padded.has_padding_queries and padded.cu_seqlens_q.tolist() == [0, 5]
     assert padded.slot_mapping.tolist() == [-1, -1, -1, 0, 1]

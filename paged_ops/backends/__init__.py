@@ -18,20 +18,29 @@ the first time their backend is asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-# name -> module path; the order is the "auto" preference order on CUDA.
+from paged_ops.metadata import STEP_KINDS
+
+if TYPE_CHECKING:
+    from paged_ops.backends.cost_table import AutoPolicy
+
+# name -> module path of the backends a user can name.
 _BACKEND_MODULES: dict[str, str] = {
     "flashinfer": "paged_ops.backends.flashinfer",
     "triton": "paged_ops.backends.triton",
     "reference": "paged_ops.backends.reference",
 }
 BACKEND_NAMES: tuple[str, ...] = tuple(_BACKEND_MODULES)
+# Internal: the op's backend for a layer group whose "auto" backend depends on the step kind.
+BY_STEP = "by_step"
+_INTERNAL_MODULES: dict[str, str] = {BY_STEP: "paged_ops.backends.by_step"}
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,8 @@ def _is_available(name: str) -> bool:
 
 def get_backend(name: str) -> ModuleType:
     """The backend module called ``name`` (no availability check; ``resolve_backend`` does that)."""
+    if name in _INTERNAL_MODULES:
+        return importlib.import_module(_INTERNAL_MODULES[name])
     return _load(name)
 
 
@@ -81,25 +92,59 @@ def available_backends() -> list[str]:
     return [name for name in BACKEND_NAMES if _is_available(name)]
 
 
-def resolve_backend(name: str, spec: LayerSpec, device: torch.device | str) -> str:
+def _serves(name: str, spec: LayerSpec, device: torch.device) -> bool:
+    return _is_available(name) and _load(name).unsupported_reason(spec, device) is None
+
+
+def auto_candidates(spec: LayerSpec, device: torch.device | str) -> list[str]:
+    """The backends "auto" chooses among for a layer on ``device``: triton (the baseline) and
+    flashinfer, where available and able to serve the layer; none off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return []
+    return [name for name in ("triton", "flashinfer") if _serves(name, spec, device)]
+
+
+def auto_policy(spec: LayerSpec, device: torch.device | str, num_layers: int = 1) -> AutoPolicy:
+    """What "auto" runs for a group of ``num_layers`` layers like ``spec``, per step kind.
+
+    Reference off CUDA; the only candidate when one backend serves the layer; with triton and
+    flashinfer both able, the cost table of a known GPU (H100, H200); on other GPUs triton for
+    every kind until a self-timing decides (``measured=False``; PagedAttention runs it at the
+    first step, :mod:`paged_ops.backends.self_timing`).
+    """
+    from paged_ops.backends import cost_table
+
+    candidates = auto_candidates(spec, device)
+    if not candidates:
+        return cost_table.uniform_policy("reference", "no CUDA backend serves the layer")
+    if len(candidates) == 1:
+        return cost_table.uniform_policy(candidates[0], f"only {candidates[0]} serves the layer")
+    family = cost_table.gpu_family(device)
+    if family is not None:
+        return cost_table.table_policy(family, spec, num_layers)
+    pending = cost_table.uniform_policy("triton", "unknown GPU: triton until self-timed")
+    return dataclasses.replace(pending, measured=False)
+
+
+def resolve_backend(
+    name: str, spec: LayerSpec, device: torch.device | str, step_kind: str = "decode"
+) -> str:
     """Turn ``name`` ("auto" or a backend name) into the concrete backend for one layer.
 
-    "auto" picks flashinfer on CUDA when it is installed and serves the layer, else triton on CUDA,
-    else reference. An explicitly named backend that cannot serve the request raises a ``ValueError``
-    that says why and what to use instead.
+    "auto" gives the backend of ``step_kind`` (one of "decode", "prefill", "mixed") from
+    :func:`auto_policy`, as for a single layer and a prefill step of any size: triton or
+    flashinfer on CUDA, reference elsewhere. An explicitly named backend serves every step kind;
+    one that cannot serve the request raises a ``ValueError`` that says why and what to use
+    instead.
     """
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, got {type(name).__name__}")
+    if step_kind not in STEP_KINDS:
+        raise ValueError(f"unknown step kind {step_kind!r}; expected one of {list(STEP_KINDS)}")
     device = torch.device(device)
     if name == "auto":
-        candidates = ["flashinfer", "triton"] if device.type == "cuda" else []
-        for candidate in candidates:
-            if (
-                _is_available(candidate)
-                and _load(candidate).unsupported_reason(spec, device) is None
-            ):
-                return candidate
-        return "reference"
+        return auto_policy(spec, device).backends[step_kind]
     if name not in _BACKEND_MODULES:
         _load(name)  # raises the "unknown backend" error
     if not _is_available(name):
