@@ -221,6 +221,24 @@ def test_steps_of_more_sequences_than_one_scan_find_every_sequence(num_segments)
     assert_padding_rows_zero(out, batch)
 
 
+@pytest.mark.parametrize("prompt", [70, 129], ids=["70_tokens", "129_tokens"])
+def test_cache_slots_past_each_sequence_are_never_read_even_if_they_hold_nan(prompt):
+    # The prefill kernel loads without row predicates (positions past the KV end re-read the last
+    # key); the unified kernel masks. Either way NaN bits in unused slots and blocks must not
+    # reach the output.
+    seqs = [(0, prompt), (40, 30), (5, 1), (0, 3)]
+    batch = make_batch(seqs, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
+    used = torch.zeros(batch.kv_cache.shape[0], batch.kv_cache.shape[2], dtype=torch.bool)
+    for s, kv_len in enumerate(batch.seq_lens.tolist()):
+        for pos in range(kv_len):
+            used[batch.block_table[s, pos // 16], pos % 16] = True
+    batch.kv_cache.permute(0, 2, 1, 3, 4)[~used] = float("nan")  # slots: both K and V, all heads
+    for num_segments in (None, 2):
+        out = run_triton(batch, num_segments=num_segments)
+        assert torch.isfinite(out).all()
+        assert_matches_dense(out, batch, dense_batch_f64(batch, scale=16**-0.5), rtol=1e-5)
+
+
 def test_write_kv_matches_reference_and_skips_padding():
     batch = make_batch(
         [(3, 4), (0, 5)], num_q_heads=2, num_kv_heads=2, head_dim=24, block_size=4, pad_tokens=3
@@ -264,6 +282,30 @@ def test_launch_config_splits_small_decode_batches_only():
         triton_backend.launch_config(
             num_tokens=1, num_seqs=1, max_kv_len=64, num_segments=3, **common
         )
+
+
+def test_plain_causal_prefill_steps_take_the_prefill_kernel_and_others_the_unified_one():
+    common = dict(num_q_heads=32, num_kv_heads=8, max_kv_len=4096, num_sms=132)
+    choose = triton_backend.launch_config
+    assert choose(num_tokens=4096, num_seqs=2, head_dim=128, plain_causal=True, **common).kernel == (
+        "prefill"
+    )
+    for kwargs in (
+        dict(num_tokens=4096, num_seqs=2, head_dim=128),  # a window, softcap, sinks or ALiBi
+        dict(num_tokens=4096, num_seqs=2, head_dim=128, plain_causal=True, fp8_cache=True),
+        dict(num_tokens=4096, num_seqs=2, head_dim=256, plain_causal=True),
+        dict(num_tokens=8, num_seqs=8, head_dim=128, plain_causal=True),  # decode
+    ):
+        assert choose(**kwargs, **common).kernel == "unified", kwargs
+    # a forced prefill config for a layer it cannot serve is refused before any launch
+    batch = make_batch(MIXED, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    cfg = triton_backend.LaunchConfig(64, 32, 64, 1, 4, 3, kernel="prefill")
+    with pytest.raises(ValueError, match="plain causal attention only"):
+        triton_backend.paged_attention(
+            batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
+            scale=0.25, causal=True, window=4, softcap=0.0, sinks=None, alibi_slopes=None,
+            config=cfg,
+        )  # fmt: skip
 
 
 def test_unsupported_layers_are_refused_with_a_reason():

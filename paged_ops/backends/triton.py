@@ -91,9 +91,9 @@ def write_kv(
         *kv_cache.stride(),
         _scale_stride(k_scale),
         _scale_stride(v_scale),
-        kv_cache.shape[2],
         num_kv_heads,
         head_dim,
+        BLOCK_SIZE=kv_cache.shape[2],
         H_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=_d_pad(head_dim),
         QUANTIZE=is_fp8(kv_cache.dtype),
@@ -121,6 +121,7 @@ class LaunchConfig:
     num_segments: int  # 1 = one pass; > 1 = split-KV + reduce
     num_warps: int
     num_stages: int
+    kernel: str = "unified"  # or "prefill": plain causal prefill/mixed steps (see launch_config)
 
 
 @functools.cache
@@ -141,6 +142,7 @@ def launch_config(
     num_sms: int,
     num_segments: int | None = None,
     fp8_cache: bool = False,
+    plain_causal: bool = False,
 ) -> LaunchConfig:
     """Pick tiles and split-KV from the step's shapes (``T``, ``S``) and the block-table capacity.
 
@@ -150,6 +152,11 @@ def launch_config(
     An FP8 cache decodes with 128-wide KV tiles; at D=128 also 3 stages and at least 2 segments
     (H100 sweeps, benchmarks/NOTES.md §10: 64 x 4096 291 -> 271 us, 256 x 4096 1,094 -> 949 us);
     at D <= 64, 2 stages and no forced split (64 x 4096: 169 -> 137 us).
+    Prefill and mixed steps of plain causal layers (``plain_causal``: no window, softcap, sinks,
+    ALiBi or FP8 cache) with D <= 128 run the prefill kernel (masks only on the diagonal tiles,
+    unpredicated loads): 64 x 64 tiles and 4 warps, or 128 x 128 and 8 warps when the step
+    averages >= 1024 tokens per sequence; 2 stages (H200 sweep, benchmarks/NOTES.md section 11:
+    4 x 2048 D=128 596 -> 409 us, 1 x 8192 2,331 -> 1,339 us).
     """
     group = num_q_heads // num_kv_heads
     decode_like = num_tokens <= 2 * num_seqs
@@ -176,7 +183,31 @@ def launch_config(
         raise ValueError(f"num_segments must be a power of two >= 1, got {num_segments}")
     num_warps = 4 if block_m * d_pad <= 64 * 128 else 8
     num_stages = 3 if fp8_decode and d_pad > 64 else 2
+    if plain_causal and not decode_like and not fp8_cache and d_pad <= 128 and num_segments == 1:
+        if num_tokens >= 1024 * num_seqs:  # long prompts: 128 x 128 tiles, 8 warps
+            wide = max(128, triton.next_power_of_2(group))
+            return LaunchConfig(wide, wide // group, 128, 1, 8, 2, kernel="prefill")
+        return LaunchConfig(block_m, block_q, 64, 1, 4, 2, kernel="prefill")
     return LaunchConfig(block_m, block_q, tile_n, num_segments, num_warps, num_stages)
+
+
+def _check_prefill_config(
+    cfg: LaunchConfig,
+    causal: bool,
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    kv_dtype: torch.dtype,
+) -> None:
+    """The prefill kernel serves plain causal layers only: refuse a forced config otherwise."""
+    if not causal or window > 0 or softcap > 0 or sinks is not None or alibi_slopes is not None:
+        raise ValueError(
+            f"{cfg} (kernel='prefill') serves plain causal attention only: no window, softcap, "
+            "sinks or ALiBi"
+        )
+    if is_fp8(kv_dtype) or cfg.num_segments != 1:
+        raise ValueError(f"{cfg} (kernel='prefill') needs a 16/32-bit cache and one segment")
 
 
 def paged_attention(
@@ -219,6 +250,11 @@ def paged_attention(
         num_sms=_num_sms(query.device),
         num_segments=num_segments,
         fp8_cache=is_fp8(kv_cache.dtype),
+        plain_causal=bool(causal)
+        and window <= 0
+        and softcap <= 0
+        and sinks is None
+        and alibi_slopes is None,
     )
     group = num_q_heads // num_kv_heads
     if cfg.block_q < 1 or cfg.block_q * group > cfg.block_m:
@@ -226,6 +262,36 @@ def paged_attention(
             f"{cfg} does not fit the GQA group {group}: need 1 <= block_q * group <= block_m"
         )
     d_pad = _d_pad(head_dim)
+    if cfg.kernel == "prefill":
+        _check_prefill_config(cfg, causal, window, softcap, sinks, alibi_slopes, kv_cache.dtype)
+        grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads)
+        kernels.prefill_attention_kernel[grid](
+            out,
+            query,
+            kv_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_table,
+            float(scale),
+            num_seqs,
+            num_tokens,
+            out.stride(0),
+            out.stride(1),
+            *query.stride(),
+            *kv_cache.stride(),
+            block_table.stride(0),
+            BLOCK_SIZE=block_size,
+            GROUP=group,
+            BLOCK_Q=cfg.block_q,
+            BLOCK_M=cfg.block_m,
+            TILE_N=cfg.tile_n,
+            D_PAD=d_pad,
+            HEAD_DIM=head_dim,
+            IEEE_DOT=query.dtype == torch.float32,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        return out
     nseg = cfg.num_segments
     if nseg > 1:
         # fp32 partials: unnormalised output, running max (log2 units) and sum per segment
@@ -266,12 +332,12 @@ def paged_attention(
         num_seqs,
         num_tokens,
         num_q_heads,
-        block_size,
         out.stride(0),
         out.stride(1),
         *query.stride(),
         *kv_cache.stride(),
         block_table.stride(0),
+        BLOCK_SIZE=block_size,
         GROUP=group,
         BLOCK_Q=cfg.block_q,
         BLOCK_M=cfg.block_m,
