@@ -18,6 +18,7 @@ from paged_ops.engine import (
     StreamChunk,
     configure_compile_caches,
 )
+from paged_ops.linear import small_linear
 from paged_ops.metadata import AttentionMetadata, MetadataBuilder, SequenceSlice
 from paged_ops.module import LayerConfig, PagedAttention
 from paged_ops.ops import paged_attention, write_kv
@@ -41,6 +42,7 @@ __all__ = [
     "blocks_needed",
     "configure_compile_caches",
     "paged_attention",
+    "small_linear",
     "write_kv",
 ]
 

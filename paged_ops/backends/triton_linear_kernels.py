@@ -1,0 +1,245 @@
+"""Triton matrix-vector kernels for small-batch decode: ``out[M, N] = x[M, K] @ W[N, K]^T (+ bias)``.
+
+At decode time a model's linear layers stream their weights once per step for a handful of tokens
+(``M <= 16``), so they are bound by memory bandwidth, not FLOPs. The kernel is built for that:
+
+- Each program owns ``BLOCK_N`` output columns (rows of ``W``, contiguous along ``K``) and streams
+  ``[BLOCK_N, BLOCK_K]`` weight tiles with 16-byte vector loads, software-pipelined ``num_stages``
+  deep; ``x`` is tiny and re-read from L2 by every program.
+- The product of a tile is a constexpr choice: ``USE_DOT`` runs ``tl.dot(W_tile, x_tile^T)`` with
+  ``M`` padded to 16 (weights as the mma's M side, "swap AB"); otherwise a broadcast multiply
+  forms ``[BLOCK_N, BLOCK_M, BLOCK_K]`` float32 products and sums them over ``K`` into the
+  ``[BLOCK_N, BLOCK_M]`` accumulator (FMA, ``BLOCK_M = next_power_of_2(M)``). The K loop is a
+  ``tl.range(num_stages=...)`` loop, so Triton pipelines the loads (cp.async) on both paths (sm_90
+  PTX of triton 3.6; without it the FMA path had no loads in flight across iterations).
+- ``SPLIT_K > 1`` gives each of ``SPLIT_K`` programs per column block a contiguous slice of ``K``;
+  they write float32 partials ``[SPLIT_K, M, N]`` and a second kernel sums them in a fixed order
+  (deterministic, no atomics), adds the bias and casts. It is for narrow, deep weights (down_proj:
+  N=2048, K=8192) whose column blocks alone do not fill the GPU.
+
+Padded columns and rows are clamped to the last real one (loads stay in bounds without masks; their
+results are never stored), and ``K`` is masked only when it is not a multiple of the K step
+(``EVEN_K``). Every launch choice comes from shapes (:func:`linear_config`), so a call never syncs
+with the host and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+SMEM_BUDGET = 128 * 1024  # bytes of pipelined stage buffers the default configs stay under
+
+
+@triton.jit
+def small_linear_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    b_ptr,  # [N] or a dummy when not HAS_BIAS
+    out_ptr,  # [M, N] in x's dtype, or [SPLIT_K, M, N] float32 partials when SPLIT_K > 1
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    k_per_split,  # a multiple of BLOCK_K
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % (BLOCK_K * SPLIT_K) == 0: no K masks
+    IEEE: tl.constexpr,  # float32 inputs: exact products (tl.dot would round them to TF32)
+    NUM_STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    # Clamped indices: padding rows/columns repeat the last real one, so loads need no mask.
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_m = tl.minimum(offs_m, M - 1)
+    k_start = pid_k * k_per_split
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
+    if USE_DOT:
+        x_ptrs = x_ptr + rows_m[None, :] * stride_xm + offs_k[:, None] * stride_xk  # [BK, BM]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in tl.range(0, k_per_split, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            k_ok = offs_k + k < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            if USE_DOT:
+                x = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        if USE_DOT:
+            acc = tl.dot(w, x, acc, input_precision="ieee") if IEEE else tl.dot(w, x, acc)
+        else:
+            prod = w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]  # [BN, BM, BK]
+            acc += tl.sum(prod, axis=2)
+        w_ptrs += BLOCK_K * stride_wk
+        x_ptrs += BLOCK_K * stride_xk
+    out_mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    out_ptrs = out_ptr + offs_m[None, :] * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M] of [M, N]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows_n).to(tl.float32)[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptrs + pid_k * M * N, acc, mask=out_mask)
+
+
+@triton.jit
+def split_k_reduce_kernel(
+    part_ptr,  # [SPLIT_K, M*N] float32
+    b_ptr,  # [N] or a dummy when not HAS_BIAS
+    out_ptr,  # [M, N] contiguous, x's dtype
+    MN,
+    N,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: the same bits every run
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True, slots=True)
+class LinearConfig:
+    """Launch choices of :func:`small_linear`; derived from shapes by :func:`linear_config`.
+
+    ``use_dot`` needs ``block_n >= 16`` and ``block_k >= 16`` (mma tile sizes); the FMA path keeps
+    ``block_n * next_power_of_2(M) * block_k`` float32 products per tile in registers.
+    """
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    use_dot: bool = True
+
+    def block_m(self, m: int) -> int:
+        return 16 if self.use_dot else triton.next_power_of_2(m)
+
+    def fma_regs(self, m: int) -> int:
+        """float32 products of one tile per thread on the FMA path (> 128 spills on sm_90)."""
+        return self.block_n * self.block_m(m) * self.block_k // (32 * self.num_warps)
+
+    def check(self) -> None:
+        for name in ("block_n", "block_k", "split_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"LinearConfig.{name} must be a power of two >= 1, got {value}")
+        if self.use_dot and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError(
+                f"LinearConfig(use_dot=True) needs block_n >= 16 and block_k >= 16 (mma tiles), "
+                f"got block_n={self.block_n}, block_k={self.block_k}"
+            )
+        if self.num_stages < 1:
+            raise ValueError(f"LinearConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+def linear_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> LinearConfig:
+    """Default launch choices for ``x[m, k] @ W[n, k]^T`` on a GPU with ``num_sms`` SMs.
+
+    - dot (mma, ``M`` padded to 16) from ``m >= 3``; below that the FMA path (no padding waste).
+    - ``block_k``: one warp reads a 512-byte run of a weight row (16 bytes per thread), i.e. 256
+      16-bit or 128 float32 elements, capped at ``next_power_of_2(k)``.
+    - ``block_n``: the largest of 64/32/16 (FMA: 32/16) that still gives every SM a column block;
+      else 16. The FMA path then halves it (down to 8) until the float32 products of a tile take at
+      most 64 registers per thread (see :meth:`LinearConfig.fma_regs`).
+    - ``split_k``: only when the column blocks fill less than half the SMs and ``k`` is deep
+      enough for each slice to stream >= 4 tiles; the smallest power of two that fills them.
+    - ``num_stages``: 4, fewer when the stage buffers would pass 128 KiB of shared memory.
+    """
+    use_dot = m >= 3
+    block_k = min(512 // dtype.itemsize, max(16, triton.next_power_of_2(k)))
+    block_n = 16
+    for candidate in (64, 32) if use_dot else (32,):
+        if triton.cdiv(n, candidate) >= num_sms:
+            block_n = candidate
+            break
+    config = LinearConfig(block_n=block_n, block_k=block_k, num_warps=4, use_dot=use_dot)
+    while not use_dot and config.fma_regs(m) > 64 and config.block_n > 8:
+        config = replace(config, block_n=config.block_n // 2)
+    tiles = triton.cdiv(n, config.block_n)
+    split_k = 1
+    while tiles * split_k < num_sms // 2 and split_k < 8 and k // (2 * split_k) >= 4 * block_k:
+        split_k *= 2
+    stage_bytes = (config.block_n + config.block_m(m)) * block_k * dtype.itemsize
+    stages = max(2, min(4, SMEM_BUDGET // stage_bytes))
+    return replace(config, split_k=split_k, num_stages=stages)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms_of(device: torch.device) -> int:
+    """SM count of a CUDA device; 132 (an H100) for CPU tensors under the interpreter."""
+    if device.type != "cuda":
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def small_linear(
+    x: torch.Tensor,  # [M, K], M <= 16
+    weight: torch.Tensor,  # [N, K], any strides
+    bias: torch.Tensor | None = None,  # [N]
+    config: LinearConfig | None = None,
+) -> torch.Tensor:  # [M, N], x's dtype
+    """Launch the GEMV kernel (and the split-K reduce): ``x @ weight.T + bias``, shapes unchecked.
+
+    Inputs are validated by :func:`paged_ops.linear.small_linear`; this is the raw launcher that
+    benchmarks call with an explicit ``config`` to sweep launch choices.
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    if config is None:
+        config = linear_config(m, n, k, x.dtype, num_sms_of(x.device))
+    config.check()
+    block_m = config.block_m(m)
+    split = config.split_k
+    step = config.block_k * split
+    k_per_split = triton.cdiv(k, step) * config.block_k
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)  # [M, N]
+    target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    has_bias = bias is not None
+    grid = (triton.cdiv(n, config.block_n), split)
+    small_linear_kernel[grid](
+        x, weight, bias if has_bias else x, target,
+        m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), k_per_split,
+        HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT_K=split, USE_DOT=config.use_dot, EVEN_K=k % step == 0,
+        IEEE=x.dtype == torch.float32, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        block = 1024
+        split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            target, bias if has_bias else target, out, m * n, n,
+            HAS_BIAS=has_bias, SPLIT_K=split, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return out

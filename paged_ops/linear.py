@@ -1,0 +1,147 @@
+"""``paged_ops::small_linear``: ``x @ W^T + b`` with a Triton GEMV for decode-sized batches.
+
+At batch 1..16 a decode step's projections stream their weights once for a few tokens; cuBLAS
+reaches about half of an H100/H200's copy bandwidth on them. The op runs the Triton kernel of
+:mod:`paged_ops.backends.triton_linear_kernels` when it applies (``M <= SMALL_M_MAX`` rows, a
+float16/bfloat16/float32 input on CUDA, or a float16/float32 one on CPU under ``TRITON_INTERPRET=1``
+(whose bfloat16 dots are wrong), a weight whose last
+stride is 1, triton installed) and ``torch.nn.functional.linear`` otherwise, so it is correct for
+any ``M``. Like the attention ops it is defined with the low-level ``torch.library.Library`` API
+and is one opaque node for torch.compile (fake kernel from shapes only); triton loads on the first
+call that uses it, never at ``import paged_ops``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+import torch.nn.functional as F
+
+SMALL_M_MAX = 16  # rows (tokens) up to which the Triton GEMV runs; above it cuBLAS's GEMM
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_lib = torch.library.Library("paged_ops", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
+_lib.define("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x's last dim must equal weight's K: x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+        )
+    if x.dtype != weight.dtype:
+        raise TypeError(f"x and weight dtypes differ: x {x.dtype}, weight {weight.dtype}")
+    if x.device != weight.device:
+        raise ValueError(f"x and weight devices differ: x {x.device}, weight {weight.device}")
+    if bias is None:
+        return
+    if bias.shape != (weight.shape[0],):
+        raise ValueError(
+            f"bias must have shape [N] = ({weight.shape[0]},), got {tuple(bias.shape)}"
+        )
+    if bias.dtype != x.dtype:
+        raise TypeError(f"bias dtype {bias.dtype} differs from x's {x.dtype}")
+    if bias.device != x.device:
+        raise ValueError(f"bias device {bias.device} differs from x's {x.device}")
+
+
+@functools.cache
+def _triton_kernels():  # noqa: ANN202 (a module, or None without triton)
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from paged_ops.backends import triton_linear_kernels
+
+    return triton_linear_kernels
+
+
+def _use_triton(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Triton GEMV serves ``x2d [M, K] @ weight[N, K]^T`` (else F.linear)."""
+    # CPU tensors only under the interpreter (CI), and not bfloat16: its tl.dot there is wrong
+    on_device = x2d.is_cuda or (
+        x2d.device.type == "cpu"
+        and os.environ.get("TRITON_INTERPRET") == "1"
+        and x2d.dtype != torch.bfloat16
+    )
+    return (
+        on_device
+        and 1 <= x2d.shape[0] <= SMALL_M_MAX
+        and weight.shape[0] > 0
+        and weight.shape[1] > 0
+        and x2d.dtype in _DTYPES
+        and weight.stride(1) == 1
+        and _triton_kernels() is not None
+    )
+
+
+def _small_linear_impl(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [..., N]
+    _check(x, weight, bias)
+    x2d = x.reshape(-1, x.shape[-1])  # [M, K]; a view when x's layout allows
+    if not _use_triton(x2d, weight):
+        return F.linear(x, weight, bias)
+    out = _triton_kernels().small_linear(x2d, weight, bias)  # [M, N]
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+for _device in ("CPU", "CUDA"):
+    _lib.impl("small_linear", _small_linear_impl, _device)
+
+
+@torch.library.register_fake("paged_ops::small_linear", lib=_lib)
+def _small_linear_fake(x, weight, bias):  # noqa: ANN001
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))  # [..., N]
+
+
+def _setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:  # noqa: ANN001
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad: torch.Tensor) -> tuple:  # noqa: ANN001
+    x, weight = ctx.saved_tensors  # [..., K], [N, K]
+    grad2d = grad.reshape(-1, grad.shape[-1])  # [M, N]
+    grad_x = grad @ weight if ctx.needs_input_grad[0] else None  # [..., K]
+    grad_w = grad2d.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_b
+
+
+torch.library.register_autograd(
+    "paged_ops::small_linear", _backward, setup_context=_setup_context, lib=_lib
+)
+
+
+def small_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``nn.Linear``'s math), with a Triton GEMV for ``M <= 16`` rows.
+
+    Args:
+        x: ``[..., K]``; its leading dims are flattened to ``M`` rows.
+        weight: ``[N, K]`` (``nn.Linear.weight``), x's dtype and device; any row stride (e.g. an
+            ``as_strided`` view of a stacked buffer), last stride 1 for the Triton path.
+        bias: ``[N]`` or ``None``, x's dtype.
+
+    Returns:
+        ``[..., N]`` in x's dtype, accumulated in float32. The Triton kernel runs for
+        float16/bfloat16/float32 on CUDA (float16/float32 on CPU under ``TRITON_INTERPRET=1``)
+        when ``M <= SMALL_M_MAX``; everything else goes to ``torch.nn.functional.linear``.
+
+    Raises:
+        ValueError: weight not 2-D, ``K`` or bias shape mismatch, tensors on different devices.
+        TypeError: dtypes differ.
+
+    Example:
+        >>> y = paged_ops.small_linear(hidden, layer.self_attn.o_proj.weight)  # [1, T, 2048]
+    """
+    _check(x, weight, bias)
+    return torch.ops.paged_ops.small_linear.default(x, weight, bias)

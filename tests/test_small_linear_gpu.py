@@ -1,0 +1,88 @@
+"""paged_ops::small_linear on a CUDA device: bfloat16 at Llama-3.2-1B's decode shapes vs F.linear.
+
+Run with ``python -m pytest -q -m gpu tests/test_small_linear_gpu.py`` on a CUDA machine.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import paged_ops
+from paged_ops.backends import triton_linear_kernels as kernels
+
+pytestmark = pytest.mark.gpu
+
+SHAPES_1B = {  # name: (N, K)
+    "qkv": (3072, 2048),
+    "o_proj": (2048, 2048),
+    "gate_up": (16384, 2048),
+    "down": (2048, 8192),
+    "lm_head": (128256, 2048),
+}
+
+
+def make(m, n, k, dtype=torch.bfloat16, bias=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device="cuda").to(dtype)  # [M, K]
+    w = (torch.randn(n, k, generator=g, device="cuda") / k**0.5).to(dtype)  # [N, K]
+    b = torch.randn(n, generator=g, device="cuda").to(dtype) if bias else None
+    return x, w, b
+
+
+def assert_close_to_reference(out, x, w, b):
+    ref = (x.double() @ w.double().T + (0 if b is None else b.double())).float()  # [M, N]
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}[x.dtype]
+    scale = ref.abs().max().item() + 1
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol * scale)
+    # as close to float64 as cuBLAS is, to within one bfloat16 rounding of the output
+    ours = (out.float() - ref).abs().max().item()
+    cublas = (F.linear(x, w, b).float() - ref).abs().max().item()
+    assert ours <= cublas + tol * scale
+
+
+@pytest.mark.parametrize("name", SHAPES_1B)
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_bf16_matches_f_linear_at_1b_shapes(name, m):
+    n, k = SHAPES_1B[name]
+    x, w, b = make(m, n, k, bias=name == "qkv")
+    out = paged_ops.small_linear(x[None], w, b)  # [1, M, N]
+    assert out.shape == (1, m, n) and out.dtype == torch.bfloat16
+    assert_close_to_reference(out[0], x, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_dtypes(dtype):
+    x, w, b = make(5, 3072, 2048, dtype=dtype, bias=True)
+    assert_close_to_reference(paged_ops.small_linear(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        kernels.LinearConfig(block_n=16, block_k=256, split_k=4),
+        kernels.LinearConfig(block_n=8, block_k=256, split_k=2, use_dot=False),
+        kernels.LinearConfig(block_n=64, block_k=128, num_stages=3),
+        kernels.LinearConfig(block_n=16, block_k=512, num_warps=8, num_stages=2, use_dot=False),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("m", [1, 8])
+def test_forced_configs_on_a_strided_view_of_stacked_weights(config, m):
+    n, k = SHAPES_1B["down"]
+    stacked = torch.randn(3 * n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    w = torch.as_strided(stacked, (n, k), (k, 1), storage_offset=n * k)  # the middle third
+    x, _, _ = make(m, n, k)
+    assert_close_to_reference(kernels.small_linear(x, w, None, config=config), x, w, None)
+
+
+def test_cuda_graph_replay_and_compile():
+    x, w, b = make(4, 3072, 2048, bias=True)
+    f = torch.compile(lambda t: paged_ops.small_linear(t, w, b), fullgraph=True)
+    expected = f(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f(x)
+    x.copy_(make(4, 3072, 2048, seed=1)[0])
+    graph.replay()
+    assert_close_to_reference(out, x, w, b)
+    assert not torch.equal(out, expected)
