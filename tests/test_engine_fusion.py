@@ -91,3 +91,49 @@ def test_rebinding_a_stacked_weight_is_refused():
     attn.weight = torch.nn.Parameter(attn.weight.detach().clone())
     with pytest.raises(RuntimeError, match="re-bound"):
         fusion.check_stacked(groups)
+
+
+@pytest.mark.parametrize("max_out", [None, 200], ids=["all", "narrow_only"])
+def test_small_linear_pass_reroutes_linears_up_to_a_width_with_the_same_logits(max_out):
+    # fused projections included (their weight is an as_strided view of the stacked buffer);
+    # linears wider than max_out_features (here the 256-row fused gate/up) stay plain. Under the
+    # interpreter (CI) the rerouted calls of this 9-token step run the Triton GEMV.
+    model = build_model("llama")
+    num_layers = model.config.num_hidden_layers
+    assert 2 * model.config.intermediate_size == 256 and model.config.vocab_size < 200
+    pa = hf.patch_model(model, backend="reference", block_size=4, num_blocks=32, max_num_seqs=2,
+                        max_model_len=64)  # fmt: skip
+    ids = torch.tensor(make_prompts([9], seed=2)[0])
+    slices = [SequenceSlice(list(range(3)), 0, 9)]
+
+    def run(m: torch.nn.Module) -> torch.Tensor:
+        pa.prepare_slices(slices, num_tokens=9, num_seqs=1)
+        with torch.inference_mode():
+            return m(
+                input_ids=ids[None], position_ids=torch.arange(9)[None], use_cache=False
+            ).logits
+
+    reference = run(model)
+    fusion.stack_projection_weights(model)
+    seen: dict[str, int] = {}
+
+    def inner(gm, example_inputs):
+        seen["linear"] = sum(n.target in fusion._LINEAR_TARGETS for n in gm.graph.nodes)
+        seen["small"] = sum(
+            n.target is torch.ops.paged_ops.small_linear.default for n in gm.graph.nodes
+        )
+        from torch._dynamo import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    rerouted: list[int] = []
+    backend = fusion.compile_backend(
+        inner, small_linears=True, max_out_features=max_out, on_rerouted=rerouted.append
+    )
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    torch.testing.assert_close(run(compiled), reference, rtol=1e-4, atol=1e-4)
+    # per layer: fused q/k/v, o, fused gate/up, down; then the head
+    kept = 0 if max_out is None else num_layers
+    assert seen == {"linear": kept, "small": 4 * num_layers + 1 - kept}
+    assert rerouted == [seen["small"]]

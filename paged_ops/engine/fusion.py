@@ -189,21 +189,71 @@ def _replace_run(
         graph.erase_node(node)
 
 
-def compile_backend(
-    inner: str | Callable = "inductor", on_fused: Callable[[int], None] | None = None
-) -> Callable:
-    """A ``torch.compile`` backend: :func:`fuse_linears`, then ``inner`` (Inductor by default).
+def route_small_linears(gm: fx.GraphModule, max_out_features: int | None = None) -> int:
+    """Send ``linear`` calls through ``paged_ops::small_linear``; returns the calls rerouted.
 
-    ``on_fused`` is told how many ``linear`` calls each compiled graph lost.
+    The op runs a Triton GEMV when the call has at most ``SMALL_M_MAX`` rows (decode steps of small
+    batches: the CUDA graphs of those buckets record it) and ``F.linear`` otherwise, so the pass
+    changes no result's meaning, only which kernel computes it. Calls whose weight has more than
+    ``max_out_features`` rows (a vocabulary head, which cuBLAS already streams near the copy
+    bandwidth) are left alone; the weight's row count is read from the traced example value.
+    """
+    import paged_ops.linear  # noqa: F401  (registers the op)
+
+    graph = gm.graph
+    rerouted = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _LINEAR_TARGETS or node.kwargs:
+            continue
+        if not 2 <= len(node.args) <= 3:
+            continue
+        x, w, b = (*node.args, None)[:3]
+        weight_value = getattr(w, "meta", {}).get("example_value")
+        rows = getattr(weight_value, "shape", (None,))[0]
+        if rows is None and getattr(w, "target", None) == torch.as_strided:
+            rows = w.args[1][0]  # a stacked weight of fuse_linears: as_strided(w, (rows, K), ...)
+        if max_out_features is not None and (rows is None or rows > max_out_features):
+            continue
+        with graph.inserting_before(node):
+            call = graph.call_function(torch.ops.paged_ops.small_linear.default, (x, w, b))
+        call.meta.update(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        rerouted += 1
+    if rerouted:
+        graph.lint()
+        gm.recompile()
+    return rerouted
+
+
+def compile_backend(
+    inner: str | Callable = "inductor",
+    on_fused: Callable[[int], None] | None = None,
+    *,
+    fuse: bool = True,
+    small_linears: bool = False,
+    max_out_features: int | None = None,
+    on_rerouted: Callable[[int], None] | None = None,
+) -> Callable:
+    """A ``torch.compile`` backend: :func:`fuse_linears` (``fuse``), then
+    :func:`route_small_linears` (``small_linears``), then ``inner`` (Inductor by default).
+
+    ``on_fused`` is told how many ``linear`` calls each compiled graph lost, ``on_rerouted`` how
+    many went to the small-batch op.
     """
     from torch._dynamo import lookup_backend
 
     compile_inner = lookup_backend(inner) if isinstance(inner, str) else inner
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        removed = fuse_linears(gm, example_inputs)
-        if on_fused is not None:
-            on_fused(removed)
+        if fuse:
+            removed = fuse_linears(gm, example_inputs)
+            if on_fused is not None:
+                on_fused(removed)
+        if small_linears:
+            rerouted = route_small_linears(gm, max_out_features)
+            if on_rerouted is not None:
+                on_rerouted(rerouted)
         return compile_inner(gm, example_inputs)
 
     return backend

@@ -164,6 +164,9 @@ class LLM:
             buffer (same values and memory; the modules' weights become views into it) and the
             compiled graph uses that buffer. Do not re-bind those weights afterwards (copying
             into them is fine); ``generate`` checks.
+        small_linears: with ``compile``, projections run through ``paged_ops.small_linear``: a
+            Triton matrix-vector kernel for steps of up to 16 tokens (small-batch decode, where
+            the step streams every weight once), cuBLAS for larger steps and vocabulary heads.
         kv_cache_dtype: "auto" (the model's dtype), "fp8"/"fp8_e4m3" or "fp8_e5m2": K/V stored in
             one byte each, so the same memory holds twice the blocks of bfloat16 and decode reads
             half the bytes. Scales: the checkpoint's (attention modules' ``k_scale``/``v_scale``),
@@ -206,6 +209,7 @@ class LLM:
         max_num_tokens: int | None = None,
         overlap: bool = True,
         fuse_projections: bool = True,
+        small_linears: bool = True,
         kv_cache_dtype: str | torch.dtype | None = None,
         calculate_kv_scales: bool | None = None,
         cache_dir: str | os.PathLike[str] | bool | None = None,
@@ -257,6 +261,7 @@ class LLM:
             compile=compile,
             cuda_graphs=cuda_graphs,
             fuse_projections=fuse_projections,
+            small_linears=small_linears,
         )
         setup_s = time.perf_counter() - t0
         breakdown = self.runner.warm_up()

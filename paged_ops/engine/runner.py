@@ -37,6 +37,7 @@ from paged_ops.engine.scheduler import ScheduledBatch
 from paged_ops.metadata import SequenceSlice
 from paged_ops.module import PagedAttention
 
+SMALL_LINEAR_MAX_OUT = 65536  # wider linears (vocabulary heads) stay on cuBLAS
 INNER_BACKEND = "inductor"  # what compiles the graph after projection fusion (tests use aot_eager)
 
 
@@ -64,6 +65,9 @@ class ModelRunner:
         cuda_graphs: capture decode steps per batch-size bucket (CUDA only).
         fuse_projections: with ``compile``, stack sibling projections' weights and fuse their
             matmuls in the compiled graph (see :mod:`paged_ops.engine.fusion`).
+        small_linears: with ``compile``, run the projections through ``paged_ops::small_linear``
+            (a Triton GEMV for steps of <= 16 tokens, cuBLAS above; the vocabulary head stays on
+            cuBLAS). See benchmarks/NOTES.md section 11 for when it pays.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class ModelRunner:
         compile: bool,
         cuda_graphs: bool,
         fuse_projections: bool = True,
+        small_linears: bool = True,
     ) -> None:
         self.model, self.pa = model, pa
         self.device = pa.kv_cache.device
@@ -88,11 +93,20 @@ class ModelRunner:
         self._forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._model_forward
         self.fused_groups: list = []  # projection groups whose weights were stacked
         self.num_fused_linears = 0  # linear calls removed from the compiled graph
+        self.num_small_linears = 0  # linear calls sent through paged_ops::small_linear
         if compile:
             backend: str | Callable = INNER_BACKEND
             if fuse_projections:
                 self.fused_groups = fusion.stack_projection_weights(model)
-                backend = fusion.compile_backend(INNER_BACKEND, self._count_fused)
+            if fuse_projections or small_linears:
+                backend = fusion.compile_backend(
+                    INNER_BACKEND,
+                    self._count_fused,
+                    fuse=fuse_projections,
+                    small_linears=small_linears,
+                    max_out_features=SMALL_LINEAR_MAX_OUT,
+                    on_rerouted=self._count_rerouted,
+                )
             self._forward = torch.compile(self._model_forward, fullgraph=True, backend=backend)
         self.use_graphs = cuda_graphs and on_cuda
         self.buckets = graph_buckets(self.max_num_seqs) if self.use_graphs else []
@@ -102,6 +116,9 @@ class ModelRunner:
 
     def _count_fused(self, removed: int) -> None:
         self.num_fused_linears += removed
+
+    def _count_rerouted(self, rerouted: int) -> None:
+        self.num_small_linears += rerouted
 
     def _model_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
