@@ -287,9 +287,9 @@ def test_launch_config_splits_small_decode_batches_only():
 def test_plain_causal_prefill_steps_take_the_prefill_kernel_and_others_the_unified_one():
     common = dict(num_q_heads=32, num_kv_heads=8, max_kv_len=4096, num_sms=132)
     choose = triton_backend.launch_config
-    assert choose(num_tokens=4096, num_seqs=2, head_dim=128, plain_causal=True, **common).kernel == (
-        "prefill"
-    )
+    assert choose(
+        num_tokens=4096, num_seqs=2, head_dim=128, plain_causal=True, **common
+    ).kernel == ("prefill")
     for kwargs in (
         dict(num_tokens=4096, num_seqs=2, head_dim=128),  # a window, softcap, sinks or ALiBi
         dict(num_tokens=4096, num_seqs=2, head_dim=128, plain_causal=True, fp8_cache=True),
