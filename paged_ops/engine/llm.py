@@ -165,8 +165,9 @@ class LLM:
             compiled graph uses that buffer. Do not re-bind those weights afterwards (copying
             into them is fine); ``generate`` checks.
         small_linears: with ``compile``, projections run through ``paged_ops.small_linear``: a
-            Triton matrix-vector kernel for steps of up to 16 tokens (small-batch decode, where
-            the step streams every weight once), cuBLAS for larger steps and vocabulary heads.
+            Triton matrix-vector kernel for steps of up to 16 tokens, cuBLAS for larger steps and
+            vocabulary heads. Off by default: on an H100 it is not faster than cuBLAS yet
+            (batch 1: 441 vs 683 tok/s; benchmarks/NOTES.md section 11).
         kv_cache_dtype: "auto" (the model's dtype), "fp8"/"fp8_e4m3" or "fp8_e5m2": K/V stored in
             one byte each, so the same memory holds twice the blocks of bfloat16 and decode reads
             half the bytes. Scales: the checkpoint's (attention modules' ``k_scale``/``v_scale``),
@@ -209,7 +210,7 @@ class LLM:
         max_num_tokens: int | None = None,
         overlap: bool = True,
         fuse_projections: bool = True,
-        small_linears: bool = True,
+        small_linears: bool = False,
         kv_cache_dtype: str | torch.dtype | None = None,
         calculate_kv_scales: bool | None = None,
         cache_dir: str | os.PathLike[str] | bool | None = None,

@@ -67,7 +67,7 @@ class ModelRunner:
             matmuls in the compiled graph (see :mod:`paged_ops.engine.fusion`).
         small_linears: with ``compile``, run the projections through ``paged_ops::small_linear``
             (a Triton GEMV for steps of <= 16 tokens, cuBLAS above; the vocabulary head stays on
-            cuBLAS). See benchmarks/NOTES.md section 11 for when it pays.
+            cuBLAS). Off by default: not faster than cuBLAS on an H100 yet (NOTES.md section 11).
     """
 
     def __init__(
@@ -78,7 +78,7 @@ class ModelRunner:
         compile: bool,
         cuda_graphs: bool,
         fuse_projections: bool = True,
-        small_linears: bool = True,
+        small_linears: bool = False,
     ) -> None:
         self.model, self.pa = model, pa
         self.device = pa.kv_cache.device
