@@ -442,6 +442,8 @@ def main() -> None:
     global DEVICE, DTYPE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer decode shapes")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="only the prefill and mixed cases (triton vs FA3 in one short run)")  # fmt: skip
     parser.add_argument("--calls", type=int, default=20, help="op calls per timed region")
     parser.add_argument("--repeats", type=int, default=7, help="timed regions (median)")
     parser.add_argument("--backends", default=None, help="comma list (default: all available)")
@@ -488,6 +490,8 @@ def main() -> None:
                            rows=rows, skipped=skipped), f, indent=1)  # fmt: skip
 
     cases = [] if args.fp8_only else decode_cases(args.quick) + prefill_cases()
+    if args.prefill_only:
+        cases = prefill_cases()
     for case in cases:
         for backend in backends:
             if backend == "reference" and (case["kind"] != "decode" or sum(case["kv"]) > 8 * 4096):
