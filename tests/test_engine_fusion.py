@@ -33,13 +33,13 @@ def linear_count(model: torch.nn.Module, *args, **kwargs) -> tuple[int, int, tor
     return seen["after"] + sum(removed), sum(removed), out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
-def test_stacked_projections_run_as_one_matmul_with_the_same_logits(family):
+def patched_nine_token_step(family: str, seed: int):
+    """A patched tiny model, its PagedAttention, a 9-token prompt and ``run(m)``: the logits of
+    ``m`` (the model or a compiled form of it) on that prompt as one prefill step."""
     model = build_model(family)
-    num_layers = model.config.num_hidden_layers
     pa = hf.patch_model(model, backend="reference", block_size=4, num_blocks=32, max_num_seqs=2,
                         max_model_len=64)  # fmt: skip
-    ids = torch.tensor(make_prompts([9], seed=1)[0])
+    ids = torch.tensor(make_prompts([9], seed=seed)[0])
     slices = [SequenceSlice(list(range(3)), 0, 9)]
 
     def run(m: torch.nn.Module) -> torch.Tensor:
@@ -49,6 +49,14 @@ def test_stacked_projections_run_as_one_matmul_with_the_same_logits(family):
                 input_ids=ids[None], position_ids=torch.arange(9)[None], use_cache=False
             ).logits
 
+    return model, pa, ids, run
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
+def test_stacked_projections_run_as_one_matmul_with_the_same_logits(family):
+    model, pa, ids, run = patched_nine_token_step(family, seed=1)
+    num_layers = model.config.num_hidden_layers
+    slices = [SequenceSlice(list(range(3)), 0, 9)]
     reference = run(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     groups = fusion.stack_projection_weights(model)
@@ -98,21 +106,9 @@ def test_small_linear_pass_reroutes_linears_up_to_a_width_with_the_same_logits(m
     # fused projections included (their weight is an as_strided view of the stacked buffer);
     # linears wider than max_out_features (here the 256-row fused gate/up) stay plain. Under the
     # interpreter (CI) the rerouted calls of this 9-token step run the Triton GEMV.
-    model = build_model("llama")
+    model, _, _, run = patched_nine_token_step("llama", seed=2)
     num_layers = model.config.num_hidden_layers
     assert 2 * model.config.intermediate_size == 256 and model.config.vocab_size < 200
-    pa = hf.patch_model(model, backend="reference", block_size=4, num_blocks=32, max_num_seqs=2,
-                        max_model_len=64)  # fmt: skip
-    ids = torch.tensor(make_prompts([9], seed=2)[0])
-    slices = [SequenceSlice(list(range(3)), 0, 9)]
-
-    def run(m: torch.nn.Module) -> torch.Tensor:
-        pa.prepare_slices(slices, num_tokens=9, num_seqs=1)
-        with torch.inference_mode():
-            return m(
-                input_ids=ids[None], position_ids=torch.arange(9)[None], use_cache=False
-            ).logits
-
     reference = run(model)
     fusion.stack_projection_weights(model)
     seen: dict[str, int] = {}

@@ -181,6 +181,55 @@ def _find_seq(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _zero_spare_rows(
+    out_ptr, cu_ptr, num_seqs, num_tokens, tail, head, offs_m, offs_d, d_mask, stride_ot,
+    stride_oh, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    D_PAD: tl.constexpr,
+):  # fmt: skip
+    """A spare program (``tail >= 0`` past every sequence's query blocks) zeroes its share of the
+    padded query rows ``[cu[S], T)``, so every output row is finite."""
+    tok = tl.load(cu_ptr + num_seqs) + tail * BLOCK_Q + offs_m // GROUP
+    pad_mask = (offs_m < BLOCK_Q * GROUP) & (tok < num_tokens)
+    ptrs = out_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
+    zeros = tl.zeros([BLOCK_M, D_PAD], dtype=out_ptr.dtype.element_ty)
+    tl.store(ptrs + offs_d[None, :], zeros, mask=pad_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _locate_query_block(cu_ptr, seq_lens_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Program ``pid``'s sequence, its query start and length, the block's index inside it and
+    the sequence's KV length."""
+    seq = _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_ptr + seq)
+    q_len = tl.load(cu_ptr + seq + 1) - q_start
+    local = pid - (q_start // BLOCK_Q + seq)  # query block index inside the sequence
+    kv_len = tl.load(seq_lens_ptr + seq)
+    return seq, q_start, q_len, local, kv_len
+
+
+@triton.jit
+def _load_query_rows(
+    q_ptr, q_start, q_len, local, context, head, offs_m, offs_d, d_mask, stride_qt, stride_qh,
+    stride_qd, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
+):  # fmt: skip
+    """The block's rows (query token x GQA head): ``q [BLOCK_M, D_PAD]``, each row's absolute
+    position, packed token index and validity."""
+    q_idx = local * BLOCK_Q + offs_m // GROUP  # [BLOCK_M] query index inside the sequence
+    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = context + q_idx  # [BLOCK_M] absolute position (< 0: a padding query)
+    q_tok = (q_start + q_idx).to(tl.int64)  # [BLOCK_M] row in the packed query
+    q = tl.load(
+        q_ptr
+        + q_tok[:, None] * stride_qt
+        + head[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
+        mask=row_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, D_PAD]
+    return q, q_pos, q_tok, row_valid
+
+
+@triton.jit
 def _tanh(x):
     # tanh from exp2 of a non-positive argument (no overflow); the interpreter has no libdevice.
     t = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2|x|), -2 * log2(e)
@@ -264,34 +313,22 @@ def paged_attention_kernel(
     tail = pid - (tl.load(cu_ptr + num_seqs) // BLOCK_Q + num_seqs)
     if tail >= 0:
         if NUM_SEGMENTS == 1:
-            tok = tl.load(cu_ptr + num_seqs) + tail * BLOCK_Q + offs_m // GROUP
-            pad_mask = (offs_m < BLOCK_Q * GROUP) & (tok < num_tokens)
-            ptrs = out_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
-            zeros = tl.zeros([BLOCK_M, D_PAD], dtype=out_ptr.dtype.element_ty)
-            tl.store(ptrs + offs_d[None, :], zeros, mask=pad_mask[:, None] & d_mask[None, :])
+            _zero_spare_rows(
+                out_ptr, cu_ptr, num_seqs, num_tokens, tail, head, offs_m, offs_d, d_mask,
+                stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, D_PAD,
+            )  # fmt: skip
         return
 
-    seq = _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q)
-    q_start = tl.load(cu_ptr + seq)
-    q_len = tl.load(cu_ptr + seq + 1) - q_start
-    local = pid - (q_start // BLOCK_Q + seq)  # query block index inside the sequence
+    seq, q_start, q_len, local, kv_len = _locate_query_block(
+        cu_ptr, seq_lens_ptr, pid, num_seqs, BLOCK_Q
+    )
     if local * BLOCK_Q >= q_len:
         return
-    kv_len = tl.load(seq_lens_ptr + seq)
     context = kv_len - q_len  # absolute position of the sequence's first query token
-
-    q_idx = local * BLOCK_Q + offs_m // GROUP  # [BLOCK_M] query index inside the sequence
-    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
-    q_pos = context + q_idx  # [BLOCK_M] absolute position
-    q_tok = (q_start + q_idx).to(tl.int64)  # [BLOCK_M] row in the packed query
-    q = tl.load(
-        q_ptr
-        + q_tok[:, None] * stride_qt
-        + head[:, None] * stride_qh
-        + offs_d[None, :] * stride_qd,
-        mask=row_valid[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [BLOCK_M, D_PAD]
+    q, q_pos, q_tok, row_valid = _load_query_rows(
+        q_ptr, q_start, q_len, local, context, head, offs_m, offs_d, d_mask, stride_qt,
+        stride_qh, stride_qd, GROUP, BLOCK_Q,
+    )  # fmt: skip
     if F16_DOT:
         # FP8 -> float16 is one packed conversion per two values; FP8 -> bfloat16 costs three, and
         # conversion throughput, not memory, then bounds decode. So with an FP8 cache, bf16
@@ -443,34 +480,22 @@ def prefill_attention_kernel(
 
     tail = pid - (tl.load(cu_ptr + num_seqs) // BLOCK_Q + num_seqs)
     if tail >= 0:  # spare programs zero the padded query rows
-        tok = tl.load(cu_ptr + num_seqs) + tail * BLOCK_Q + offs_m // GROUP
-        pad_mask = (offs_m < BLOCK_Q * GROUP) & (tok < num_tokens)
-        ptrs = out_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
-        zeros = tl.zeros([BLOCK_M, D_PAD], dtype=out_ptr.dtype.element_ty)
-        tl.store(ptrs + offs_d[None, :], zeros, mask=pad_mask[:, None] & d_mask[None, :])
+        _zero_spare_rows(
+            out_ptr, cu_ptr, num_seqs, num_tokens, tail, head, offs_m, offs_d, d_mask,
+            stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, D_PAD,
+        )  # fmt: skip
         return
 
-    seq = _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q)
-    q_start = tl.load(cu_ptr + seq)
-    q_len = tl.load(cu_ptr + seq + 1) - q_start
-    local = pid - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, local, kv_len = _locate_query_block(
+        cu_ptr, seq_lens_ptr, pid, num_seqs, BLOCK_Q
+    )
     if local * BLOCK_Q >= q_len:
         return
-    kv_len = tl.load(seq_lens_ptr + seq)
     context = kv_len - q_len
-
-    q_idx = local * BLOCK_Q + offs_m // GROUP  # [BLOCK_M]
-    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
-    q_pos = context + q_idx  # [BLOCK_M] absolute position (< 0: a padding query, sees nothing)
-    q_tok = (q_start + q_idx).to(tl.int64)
-    q = tl.load(
-        q_ptr
-        + q_tok[:, None] * stride_qt
-        + head[:, None] * stride_qh
-        + offs_d[None, :] * stride_qd,
-        mask=row_valid[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [BLOCK_M, D_PAD]
+    q, q_pos, q_tok, row_valid = _load_query_rows(
+        q_ptr, q_start, q_len, local, context, head, offs_m, offs_d, d_mask, stride_qt,
+        stride_qh, stride_qd, GROUP, BLOCK_Q,
+    )  # fmt: skip
     qk_scale = scale * LOG2E
 
     first_pos = context + local * BLOCK_Q  # position of the block's first row
