@@ -163,33 +163,20 @@ class LinearConfig:
 def linear_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> LinearConfig:
     """Default launch choices for ``x[m, k] @ W[n, k]^T`` on a GPU with ``num_sms`` SMs.
 
-    - dot (mma, ``M`` padded to 16) from ``m >= 3``; below that the FMA path (no padding waste).
-    - ``block_k``: one warp reads a 512-byte run of a weight row (16 bytes per thread), i.e. 256
-      16-bit or 128 float32 elements, capped at ``next_power_of_2(k)``.
-    - ``block_n``: the largest of 64/32/16 (FMA: 32/16) that still gives every SM a column block;
-      else 16. The FMA path then halves it (down to 8) until the float32 products of a tile take at
-      most 64 registers per thread (see :meth:`LinearConfig.fma_regs`).
-    - ``split_k``: only when the column blocks fill less than half the SMs and ``k`` is deep
-      enough for each slice to stream >= 4 tiles; the smallest power of two that fills them.
-    - ``num_stages``: 4, fewer when the stage buffers would pass 128 KiB of shared memory.
+    From the H100 sweep (benchmarks/results/linear_sweep_h100.json, 1B shapes at M=1 and M=8): the
+    dot path with 64-row weight tiles won every shape, even where that leaves most SMs without a
+    column block (q/k/v: 48 blocks; each then streams a long run of K); 256 16-bit (128 float32)
+    elements of K per step; a deep K (>= 8192, the down projection) split in 4 with 128-wide steps.
+    The FMA path (``use_dot=False``) stays available to explicit configs; it lost everywhere.
+    ``num_sms`` is kept for callers (and a future rule); the sweep found no use for it.
     """
-    use_dot = m >= 3
-    block_k = min(512 // dtype.itemsize, max(16, triton.next_power_of_2(k)))
-    block_n = 16
-    for candidate in (64, 32) if use_dot else (32,):
-        if triton.cdiv(n, candidate) >= num_sms:
-            block_n = candidate
-            break
-    config = LinearConfig(block_n=block_n, block_k=block_k, num_warps=4, use_dot=use_dot)
-    while not use_dot and config.fma_regs(m) > 64 and config.block_n > 8:
-        config = replace(config, block_n=config.block_n // 2)
-    tiles = triton.cdiv(n, config.block_n)
-    split_k = 1
-    while tiles * split_k < num_sms // 2 and split_k < 8 and k // (2 * split_k) >= 4 * block_k:
-        split_k *= 2
+    del num_sms
+    deep = k >= 8192
+    block_k = min((256 if deep else 512) // dtype.itemsize, max(16, triton.next_power_of_2(k)))
+    config = LinearConfig(block_n=64, block_k=block_k, split_k=4 if deep else 1, num_warps=4)
     stage_bytes = (config.block_n + config.block_m(m)) * block_k * dtype.itemsize
     stages = max(2, min(4, SMEM_BUDGET // stage_bytes))
-    return replace(config, split_k=split_k, num_stages=stages)
+    return replace(config, num_stages=stages)
 
 
 @functools.cache
