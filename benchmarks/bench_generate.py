@@ -193,6 +193,7 @@ def run_paged_ops(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype: st
                          steps=m.num_steps, decode_steps=m.num_decode_steps,
                          overlapped_steps=m.num_overlapped_steps,
                          tok_s_no_overlap=n_sync / dt_sync, backend=llm.pa.layer_backends[0],
+                         backend_table=llm.pa.backend_table(),
                          num_blocks=cache.num_blocks, kv_cache_dtype=kv_cache_dtype,
                          kv_dtype=str(cache.dtype).removeprefix("torch."), kv_cache_gib=kv_gib,
                          calculate_kv_scales=bool(llm.pa.calculate_kv_scales),

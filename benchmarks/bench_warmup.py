@@ -106,6 +106,7 @@ def child(argv: list[str]) -> None:
         cache_status=compile_cache_status(),
         compile_phases_s=compile_phases(),
         backend=llm.pa.layer_backends[0],
+        backend_table=llm.pa.backend_table(),
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     )
     print(MARK + json.dumps(result), flush=True)
