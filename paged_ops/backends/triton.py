@@ -191,25 +191,6 @@ def launch_config(
     return LaunchConfig(block_m, block_q, tile_n, num_segments, num_warps, num_stages)
 
 
-def _check_prefill_config(
-    cfg: LaunchConfig,
-    causal: bool,
-    window: int,
-    softcap: float,
-    sinks: torch.Tensor | None,
-    alibi_slopes: torch.Tensor | None,
-    kv_dtype: torch.dtype,
-) -> None:
-    """The prefill kernel serves plain causal layers only: refuse a forced config otherwise."""
-    if not causal or window > 0 or softcap > 0 or sinks is not None or alibi_slopes is not None:
-        raise ValueError(
-            f"{cfg} (kernel='prefill') serves plain causal attention only: no window, softcap, "
-            "sinks or ALiBi"
-        )
-    if is_fp8(kv_dtype) or cfg.num_segments != 1:
-        raise ValueError(f"{cfg} (kernel='prefill') needs a 16/32-bit cache and one segment")
-
-
 def paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
@@ -240,6 +221,11 @@ def paged_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
     if num_tokens == 0:
         return out
+    fp8_cache = is_fp8(kv_cache.dtype)
+    # what the prefill kernel serves: no window, softcap, sinks or ALiBi
+    plain_causal = (
+        bool(causal) and window <= 0 and softcap <= 0 and sinks is None and alibi_slopes is None
+    )
     cfg = config or launch_config(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
@@ -249,12 +235,8 @@ def paged_attention(
         max_kv_len=block_table.shape[1] * block_size,
         num_sms=_num_sms(query.device),
         num_segments=num_segments,
-        fp8_cache=is_fp8(kv_cache.dtype),
-        plain_causal=bool(causal)
-        and window <= 0
-        and softcap <= 0
-        and sinks is None
-        and alibi_slopes is None,
+        fp8_cache=fp8_cache,
+        plain_causal=plain_causal,
     )
     group = num_q_heads // num_kv_heads
     if cfg.block_q < 1 or cfg.block_q * group > cfg.block_m:
@@ -262,8 +244,14 @@ def paged_attention(
             f"{cfg} does not fit the GQA group {group}: need 1 <= block_q * group <= block_m"
         )
     d_pad = _d_pad(head_dim)
-    if cfg.kernel == "prefill":
-        _check_prefill_config(cfg, causal, window, softcap, sinks, alibi_slopes, kv_cache.dtype)
+    if cfg.kernel == "prefill":  # (a forced config may ask for it where it does not apply)
+        if not plain_causal:
+            raise ValueError(
+                f"{cfg} (kernel='prefill') serves plain causal attention only: no window, "
+                "softcap, sinks or ALiBi"
+            )
+        if fp8_cache or cfg.num_segments != 1:
+            raise ValueError(f"{cfg} (kernel='prefill') needs a 16/32-bit cache and one segment")
         grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads)
         kernels.prefill_attention_kernel[grid](
             out,
@@ -307,8 +295,8 @@ def paged_attention(
         part_m = part_l = target = out
     dummy = cu_seqlens_q  # stands in for absent optional tensors (never read)
     fp8 = fp8_format(kv_cache.dtype)
-    decode_bits = is_fp8(kv_cache.dtype) and _interpreting()
-    f16_dot = is_fp8(kv_cache.dtype) and query.dtype in (torch.float16, torch.bfloat16)
+    decode_bits = fp8_cache and _interpreting()
+    f16_dot = fp8_cache and query.dtype in (torch.float16, torch.bfloat16)
     cache_arg = kv_cache.view(torch.uint8) if decode_bits else kv_cache
     grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads, nseg)
     kernels.paged_attention_kernel[grid](
@@ -353,7 +341,7 @@ def paged_attention(
         IEEE_DOT=query.dtype == torch.float32,
         USE_K_SCALE=k_scale is not None,
         USE_V_SCALE=v_scale is not None,
-        FP8_CACHE=is_fp8(kv_cache.dtype),
+        FP8_CACHE=fp8_cache,
         FP8_BITS=decode_bits,
         FP8_MAN=fp8["FP8_MAN"],
         FP8_BIAS=fp8["FP8_BIAS"],
