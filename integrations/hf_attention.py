@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from paged_ops.integrations.hf_binding import module_pa, pa_for_forward
-from paged_ops.integrations.hf_cache import DeviceStep, PagedRows
+from paged_ops.integrations.hf_cache import DeviceStep, PagedRows, cache_kwarg
 from paged_ops.integrations.hf_families import check_call
 from torch import nn
 
@@ -111,7 +111,7 @@ def _foreign_cache_error(module: nn.Module, queries: int, keys: int) -> ValueErr
     return ValueError(
         f"{type(module).__name__} got {keys} keys for {queries} new queries: a transformers cache "
         "that is not a PagedCache is holding this model's keys (e.g. a DynamicCache made by a "
-        "forward with use_cache=True). Pass past_key_values=PagedCache(model) to continue a "
+        f"forward with use_cache=True). Pass {cache_kwarg()}=PagedCache(model) to continue a "
         "sequence step by step, or use generate(), which creates one"
     )
 

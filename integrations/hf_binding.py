@@ -68,6 +68,7 @@ def _fill_packed_positions(pa: PagedAttention) -> Any:
         if (
             kwargs.get("position_ids") is not None
             or kwargs.get("past_key_values") is not None
+            or kwargs.get("cache") is not None  # the same argument from transformers 5.24 on
             or kwargs.get("attention_mask") is not None
             or pa.pending_step != PACKED_STEP
         ):

@@ -21,6 +21,7 @@ builder's buffers (:meth:`MetadataBuilder.decode_step`), which is why a compilea
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 from collections.abc import Sequence
@@ -34,6 +35,16 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from paged_ops.cache import BlockAllocator, OutOfBlocksError, blocks_needed
 from paged_ops.metadata import AttentionMetadata, MetadataBuilder, SequenceSlice
 from paged_ops.module import PagedAttention
+
+
+@functools.cache
+def cache_kwarg() -> str:
+    """The name transformers gives the cache among ``forward``/``generate`` keyword arguments and
+    its ``model_kwargs``: ``"cache"`` from 5.24 on (``past_key_values`` is then a deprecated
+    alias), ``"past_key_values"`` before."""
+    from transformers.generation import utils
+
+    return "cache" if "cache" in getattr(utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 
 def _release(allocator: BlockAllocator, blocks: list[list[int]]) -> None:
@@ -524,7 +535,7 @@ def adopt_cache(cache: Cache, pa: PagedAttention) -> None:
     kind = type(cache).__name__
     if kind not in ("DynamicCache", "StaticCache") or getattr(cache, "offloading", False):
         raise ValueError(
-            f"a {kind} cannot hold a paged model's keys; pass past_key_values=PagedCache(model), "
+            f"a {kind} cannot hold a paged model's keys; pass {cache_kwarg()}=PagedCache(model), "
             "or leave it out (generate creates one)"
         )
     if cache.get_seq_length() > 0:

@@ -34,7 +34,7 @@ from paged_ops.integrations.hf_binding import (
     paged_attention_of,
     unbind,
 )
-from paged_ops.integrations.hf_cache import PagedCache, adopt_cache
+from paged_ops.integrations.hf_cache import PagedCache, adopt_cache, cache_kwarg
 from paged_ops.integrations.hf_families import (
     DEFAULT_MAX_MODEL_LEN,
     SUPPORTED_MODEL_TYPES,
@@ -77,22 +77,21 @@ def _paged_cache_for_generation(original: Callable[..., Any]) -> Callable[..., A
             )
         pa = paged_attention_of(self, create=True)
         impl = generation_config.cache_implementation
-        cache = model_kwargs.get("past_key_values")
+        key = cache_kwarg()  # "cache" from transformers 5.24 on, "past_key_values" before
+        cache = model_kwargs.get(key)
         if cache is not None:
             if impl is not None:
-                raise ValueError(
-                    "pass either cache_implementation or past_key_values to generate, not both"
-                )
+                raise ValueError(f"pass either cache_implementation or {key} to generate, not both")
             adopt_cache(cache, pa)
             cache._is_user_defined = True
             return None
         if generation_config.use_cache is False:
             return None
         if impl in (None, "dynamic"):
-            model_kwargs["past_key_values"] = PagedCache(pa)
+            model_kwargs[key] = PagedCache(pa)
         elif impl == "static":
             longest = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0)
-            model_kwargs["past_key_values"] = PagedCache(pa, max_cache_len=longest)
+            model_kwargs[key] = PagedCache(pa, max_cache_len=longest)
         else:
             raise ValueError(
                 f"cache_implementation={impl!r} cannot hold a paged_ops model's keys: they live in "
