@@ -7,6 +7,7 @@ import torch
 from paged_testing import dense_attention_f64
 
 from paged_ops import LayerConfig, MetadataBuilder, OutOfBlocksError, PagedAttention, SequenceSlice
+from paged_ops.metadata import attention_pairs, classify_step
 
 
 def test_builder_fills_contract_tensors_with_padding():
@@ -150,3 +151,67 @@ def test_steps_with_padding_queries_skip_planned_backends():
     assert pa.padding_backends == ["reference"] and torch.equal(out[:3], torch.zeros(3, 4, 16))
     pa.use_step(pa.builder.build([SequenceSlice([0], 0, 2)]), key="hf")
     assert len(plans) == 1
+
+
+def _expected_step(seqs, bs, num_tokens, num_seqs, width):
+    """The contract tensors of a step, written out token by token (independent of the builder)."""
+    slots, positions, cu, lens, last = [], [], [0], [], []
+    table = [[0] * width for _ in range(num_seqs)]
+    for r, s in enumerate(seqs):
+        for p in range(s.context_len, s.context_len + s.num_new_tokens):
+            slots.append(s.block_ids[p // bs] * bs + p % bs)
+            positions.append(p)
+        cu.append(cu[-1] + s.num_new_tokens)
+        lens.append(s.context_len + s.num_new_tokens)
+        last.append(cu[-1] - 1)
+        table[r][: min(len(s.block_ids), width)] = list(s.block_ids[:width])
+    pad_t, pad_s = num_tokens - len(slots), num_seqs - len(seqs)
+    return dict(
+        slot_mapping=slots + [-1] * pad_t,
+        positions=positions + [0] * pad_t,
+        cu_seqlens_q=cu + [cu[-1]] * pad_s,
+        seq_lens=lens + [0] * pad_s,
+        logits_indices=last + [0] * pad_s,
+        block_table=table,
+    )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_builder_matches_a_token_by_token_build_under_decode_heavy_steps(seed):
+    # Engine-like history: sequences decode one token a step (the builder's fast path), their block
+    # lists grow in place, sequences leave (rows shift) and join with prompt chunks (general path).
+    rng = random.Random(seed)
+    bs, width, num_blocks = 4, 6, 200
+    b = MetadataBuilder(max_num_tokens=64, max_num_seqs=8, max_blocks_per_seq=width,
+                        block_size=bs, num_blocks=num_blocks)  # fmt: skip
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    live: list[dict] = []  # {"blocks": list (mutated in place), "len": tokens cached}
+    for _ in range(120):
+        if len(live) < 8 and rng.random() < 0.2:
+            live.insert(
+                rng.randint(0, len(live)), {"blocks": [], "len": 0, "prompt": rng.randint(2, 9)}
+            )
+        if live and rng.random() < 0.1:
+            gone = live.pop(rng.randrange(len(live)))
+            free.extend(gone["blocks"])
+        live = [s for s in live if s["len"] < width * bs - 1]
+        if not live:
+            continue
+        seqs = []
+        for s in live:
+            n = max(1, s["prompt"] - s["len"]) if s["len"] < s["prompt"] else 1
+            n = min(n, width * bs - s["len"])
+            while len(s["blocks"]) * bs < s["len"] + n:
+                s["blocks"] += [free.pop()]  # in place, as the scheduler does
+            seqs.append(SequenceSlice(s["blocks"], s["len"], n))
+            s["len"] += n
+        num_tokens = sum(x.num_new_tokens for x in seqs) + rng.randint(0, 3)
+        num_seqs = rng.randint(len(seqs), 8)
+        md = b.build(seqs, num_tokens=num_tokens, num_seqs=num_seqs)
+        want = _expected_step(seqs, bs, num_tokens, num_seqs, width)
+        for name, values in want.items():
+            assert getattr(md, name).tolist() == values, name
+        assert md.step_kind == classify_step(seqs)
+        assert md.attention_pairs == attention_pairs(seqs)
+        assert md.max_seq_len == max(x.context_len + x.num_new_tokens for x in seqs)

@@ -429,14 +429,18 @@ class LLM:
     def _launch(self, batch: ScheduledBatch, fed_from: torch.Tensor | None) -> _Launched:
         """Queue a step and its sampling on the device; nothing here waits for the device."""
         logits, greedy = self.runner.execute(batch, fed_from)  # [S, V], [S]
-        sampling = SamplingBatch(
-            temperatures=[s.params.temperature for s in batch.seqs],
-            top_ks=[s.params.top_k for s in batch.seqs],
-            top_ps=[s.params.top_p for s in batch.seqs],
-            seeds=[s.seed for s in batch.seqs],
-            steps=batch.sample_steps,
-        )
-        sampled = sample(logits, sampling, greedy)  # [S] int64
+        temperatures = [s.params.temperature for s in batch.seqs]
+        if any(temperatures):
+            sampling = SamplingBatch(
+                temperatures=temperatures,
+                top_ks=[s.params.top_k for s in batch.seqs],
+                top_ps=[s.params.top_p for s in batch.seqs],
+                seeds=[s.seed for s in batch.seqs],
+                steps=batch.sample_steps,
+            )
+            sampled = sample(logits, sampling, greedy)  # [S] int64
+        else:
+            sampled = greedy  # every sequence greedy: the forward's argmax is the sample
         if sampled.device.type != "cuda":
             return _Launched(batch, sampled, sampled, None)
         host = sampled.to("cpu", non_blocking=True)  # pinned by the caching host allocator
