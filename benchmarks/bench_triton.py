@@ -132,7 +132,7 @@ def sweep(calls: int, kinds: set[str]) -> list[dict]:
         prefill = (make_step([2048] * 4, [2048] * 4), [64, 128], [32, 64, 128], [4, 8], [2, 3])
         shapes["prefill_4x2048"] = prefill
     if "decode" in kinds:
-        tiles, warps, stages = [16, 32, 64], [2, 4, 8], [2, 3]
+        tiles, warps, stages = [16, 32, 64] + ([128] if D <= 64 else []), [2, 4, 8], [2, 3]
         for batch, ctx in ((8, 16384), (64, 4096)):
             step = make_step([1] * batch, [ctx] * batch)
             shapes[f"decode_{batch}x{ctx}"] = (step, [16], tiles, warps, stages)

@@ -268,6 +268,23 @@ def test_write_kv_into_a_strided_layer_view():
     assert int((kv.layers[1] != 0).sum()) == 2 * (2 * 2 * 16)  # 2 tokens x (K, V) x [Hkv, D]
 
 
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_small_head_decode_uses_128_wide_kv_tiles_and_matches_dense_f64(head_dim):
+    # decode-like steps with D <= 64 read 128 keys per tile (prefill keeps 64); contexts that end
+    # mid-tile and a split into segments (num_sms=1 leaves most of the grid idle: no split; a
+    # forced split covers the segment path)
+    batch = make_batch([(300, 1), (130, 1), (9, 1), (0, 1)], num_q_heads=8, num_kv_heads=2,
+                       head_dim=head_dim, block_size=16, seed=head_dim)  # fmt: skip
+    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=head_dim, num_sms=132, max_kv_len=320)
+    cfg = triton_backend.launch_config(num_tokens=4, num_seqs=4, **shape)
+    assert cfg.tile_n == 128 and cfg.num_segments == 1  # 3 KV tiles: too few to split
+    assert triton_backend.launch_config(num_tokens=64, num_seqs=3, **shape).tile_n == 64
+    expected = dense_batch_f64(batch, scale=head_dim**-0.5)
+    for num_segments in (1, 2):
+        out = run_triton(batch, num_segments=num_segments)
+        assert_matches_dense(out, batch, expected, rtol=1e-5)
+
+
 def test_launch_config_splits_small_decode_batches_only():
     common = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, num_sms=132)
     small = triton_backend.launch_config(num_tokens=1, num_seqs=1, max_kv_len=16384, **common)

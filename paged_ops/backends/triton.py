@@ -151,7 +151,9 @@ def launch_config(
     batches), the KV range is split into up to MAX_SEGMENTS segments. ``num_segments`` forces the split.
     An FP8 cache decodes with 128-wide KV tiles; at D=128 also 3 stages and at least 2 segments
     (H100 sweeps, benchmarks/NOTES.md §10: 64 x 4096 291 -> 271 us, 256 x 4096 1,094 -> 949 us);
-    at D <= 64, 2 stages and no forced split (64 x 4096: 169 -> 137 us).
+    at D <= 64, 2 stages and no forced split (64 x 4096: 169 -> 137 us). A bf16/fp16 cache at
+    D <= 64 decodes with 128-wide KV tiles too (H200 sweep, NOTES.md section 12: 64 x 4096
+    154.6 -> 134.9 us, 8 x 16384 89.8 -> 71.9 us).
     Prefill and mixed steps of plain causal layers (``plain_causal``: no window, softcap, sinks,
     ALiBi or FP8 cache) with D <= 128 run the prefill kernel (masks only on the diagonal tiles,
     unpredicated loads): 64 x 64 tiles and 4 warps, or 128 x 128 and 8 warps when the step
@@ -167,7 +169,7 @@ def launch_config(
     # 8 x 16384); prefill keeps 32 (its 64-row M tile and fp32 accumulator fill the registers).
     tile_n = 64 if d_pad <= 128 or decode_like else 32
     fp8_decode = fp8_cache and decode_like and d_pad <= 128
-    if fp8_decode:
+    if fp8_decode or (decode_like and d_pad <= 64):
         tile_n = 128
     if num_segments is None:
         programs = (num_tokens // block_q + num_seqs + 1) * num_kv_heads
