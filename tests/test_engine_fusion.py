@@ -91,6 +91,20 @@ def test_projections_are_not_fused_unless_their_weights_are_stacked():
     assert removed == 0
 
 
+def test_no_fusion_while_inductor_autotunes_gemms():
+    # Inductor's GEMM autotuner benchmarks on inputs sized from the graph's own inputs: a stacked
+    # weight (a view past the first weight's storage) would be out of bounds there
+    model, pa, ids, run = patched_nine_token_step("llama", seed=3)
+    fusion.stack_projection_weights(model)
+    kwargs = dict(input_ids=ids[None], position_ids=torch.arange(9)[None], use_cache=False)
+    for autotune, fused in ((dict(max_autotune_gemm=True), 0), (dict(max_autotune=True), 0),
+                            ({}, 3 * model.config.num_hidden_layers)):  # fmt: skip
+        pa.prepare_slices([SequenceSlice(list(range(3)), 0, 9)], num_tokens=9, num_seqs=1)
+        with torch._inductor.config.patch(autotune), torch.inference_mode():
+            _, removed, _ = linear_count(model, **kwargs)
+        assert removed == fused, autotune
+
+
 def test_rebinding_a_stacked_weight_is_refused():
     model = build_model("llama")
     groups = fusion.stack_projection_weights(copy.deepcopy(model))

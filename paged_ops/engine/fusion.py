@@ -226,6 +226,12 @@ def route_small_linears(gm: fx.GraphModule, max_out_features: int | None = None)
     return rerouted
 
 
+def _autotunes_gemms() -> bool:
+    from torch._inductor import config
+
+    return bool(config.max_autotune or config.max_autotune_gemm)
+
+
 def compile_backend(
     inner: str | Callable = "inductor",
     on_fused: Callable[[int], None] | None = None,
@@ -239,14 +245,18 @@ def compile_backend(
     :func:`route_small_linears` (``small_linears``), then ``inner`` (Inductor by default).
 
     ``on_fused`` is told how many ``linear`` calls each compiled graph lost, ``on_rerouted`` how
-    many went to the small-batch op.
+    many went to the small-batch op. While Inductor autotunes GEMMs (``max_autotune`` or
+    ``max_autotune_gemm`` in ``torch._inductor.config`` when the graph is compiled), nothing is
+    fused: its autotuner times each matmul on fresh inputs sized from the graph's own inputs, and a
+    stacked weight is a view past the first weight's storage, which those inputs do not have
+    (benchmarks/NOTES.md section 12).
     """
     from torch._dynamo import lookup_backend
 
     compile_inner = lookup_backend(inner) if isinstance(inner, str) else inner
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        if fuse:
+        if fuse and not _autotunes_gemms():
             removed = fuse_linears(gm, example_inputs)
             if on_fused is not None:
                 on_fused(removed)
