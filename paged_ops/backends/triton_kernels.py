@@ -90,6 +90,12 @@ def _load_kv(
     return x.to(dtype)
 
 
+# Integers that change from step to step. Triton would otherwise compile a variant per value class
+# (== 1, divisible by 16, other) of each: new compiles (seconds each) in the middle of serving when a
+# step meets a class the warm-up did not; these kernels gain nothing from the specialisation.
+PER_STEP_INTS = ("num_seqs", "num_tokens")
+
+
 @triton.jit
 def write_kv_kernel(
     key_ptr,  # [T, Hkv, D]
@@ -245,7 +251,7 @@ def _dot(a, b, IEEE: tl.constexpr):
     return tl.dot(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_INTS)
 def paged_attention_kernel(
     out_ptr,  # [T, Hq, D] (NUM_SEGMENTS == 1) or partial acc [T, Hq, NUM_SEGMENTS, D_PAD] fp32
     part_m_ptr,  # [T, Hq, NUM_SEGMENTS] fp32 running max (log2 units); unused if NUM_SEGMENTS == 1
@@ -433,7 +439,7 @@ def paged_attention_kernel(
         tl.store(ptrs, acc, mask=row_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_INTS)
 def prefill_attention_kernel(
     out_ptr,  # [T, Hq, D]
     q_ptr,  # [T, Hq, D]
@@ -539,7 +545,7 @@ def prefill_attention_kernel(
     tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_seqs",))
 def reduce_segments_kernel(
     out_ptr,  # [T, Hq, D]
     part_acc_ptr,  # [T, Hq, NUM_SEGMENTS, D_PAD] fp32
