@@ -30,7 +30,7 @@ import bench_generate as bg  # noqa: E402
 OP_CLASSES = (
     ("inductor_fused", ("triton_poi", "triton_red", "triton_per")),  # names list the fused ops
     ("kv_write", ("write_kv", "append_paged_kv", "scatter_kv")),
-    ("attention", ("paged_attention", "reduce_segments", "BatchDecode", "BatchPrefill",
+    ("attention", ("paged_attention", "prefill_attention", "reduce_segments", "BatchDecode", "BatchPrefill",
                    "flashinfer", "MergeStates", "PersistentVariableLength")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitK", "gemv", "small_linear",
                 "linear_kernel")),
