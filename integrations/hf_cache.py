@@ -1,8 +1,8 @@
 """``PagedCache``: a transformers ``Cache`` whose keys and values live in paged_ops' block pool.
 
-``model.generate()`` and ``model(..., past_key_values=...)`` on a patched model use it: each row of
-the ``[B, T]`` batch is one sequence of the model's :class:`~paged_ops.module.PagedAttention`, with
-its own blocks from the shared allocator. Padding never takes KV space: a column whose attention
+``model.generate()`` and ``model(..., cache=...)`` (``past_key_values=`` before transformers 5.24)
+on a patched model use it: each row of the ``[B, T]`` batch is one sequence of the model's
+:class:`~paged_ops.module.PagedAttention`, with its own blocks from the shared allocator. Padding never takes KV space: a column whose attention
 mask is 0 gets slot ``-1`` and no key, so a left-padded row holds only its real tokens, and rows of
 a batch share identical prompt blocks through the allocator's reference counts.
 
@@ -501,7 +501,7 @@ class PagedCache(Cache):
     Example:
         >>> cache = PagedCache(model)
         >>> out = model(**tok(["Hi", "Hello there"], padding=True, return_tensors="pt"),
-        ...             past_key_values=cache)
+        ...             cache=cache)  # past_key_values=cache before transformers 5.24
         >>> cache.get_seq_length()  # mask columns so far
     """
 

@@ -9,8 +9,9 @@ because it was loaded with ``from_pretrained/from_config(..., attn_implementatio
 
 Either way it stays a transformers model:
 
-- ``model(input_ids [B, T], attention_mask [B, T], past_key_values=...)`` runs on the ops, each row
-  one sequence (padding at either end of a row gets no KV slot);
+- ``model(input_ids [B, T], attention_mask [B, T], cache=...)`` (``past_key_values=`` before
+  transformers 5.24) runs on the ops, each row one sequence (padding at either end of a row gets
+  no KV slot);
 - ``model.generate(...)`` keeps its keys in a :class:`~.hf_cache.PagedCache` it creates by itself
   (this module wraps transformers' ``_prepare_cache_for_generation`` for models running
   ``"paged_ops"`` only), including HF's compiled decode (``cache_implementation="static"``);
