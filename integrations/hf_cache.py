@@ -2,9 +2,10 @@
 
 ``model.generate()`` and ``model(..., cache=...)`` (``past_key_values=`` before transformers 5.24)
 on a patched model use it: each row of the ``[B, T]`` batch is one sequence of the model's
-:class:`~paged_ops.module.PagedAttention`, with its own blocks from the shared allocator. Padding never takes KV space: a column whose attention
-mask is 0 gets slot ``-1`` and no key, so a left-padded row holds only its real tokens, and rows of
-a batch share identical prompt blocks through the allocator's reference counts.
+:class:`~paged_ops.module.PagedAttention`, with its own blocks from the shared allocator. Padding
+never takes KV space: a column whose attention mask is 0 gets slot ``-1`` and no key, so a
+left-padded row holds only its real tokens, and rows of a batch share identical prompt blocks
+through the allocator's reference counts.
 
 The cache only *describes* each step: the attention function writes and reads the paged cache
 through the ops, and ``update()`` hands the step's keys and values back untouched. The per-row

@@ -248,7 +248,7 @@ class MetadataBuilder:
                 f"sequence of {lens[r]} tokens needs {blocks_needed(lens[r], bs)} blocks, has "
                 f"{len(blocks_of[r])} (table width {width})"
             )
-        decode = not padded and step_tokens == len(seqs)  # one new token per sequence
+        decode = bool(seqs) and not padded and min(news) == 1 == max(news)  # one token each
         if decode:
             positions = list(ctxs)
             slots = [b[c // bs] * bs + c % bs for b, c in zip(blocks_of, ctxs, strict=True)]

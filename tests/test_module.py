@@ -163,7 +163,7 @@ def _expected_step(seqs, bs, num_tokens, num_seqs, width):
             positions.append(p)
         cu.append(cu[-1] + s.num_new_tokens)
         lens.append(s.context_len + s.num_new_tokens)
-        last.append(cu[-1] - 1)
+        last.append(max(cu[-1] - 1, 0))
         table[r][: min(len(s.block_ids), width)] = list(s.block_ids[:width])
     pad_t, pad_s = num_tokens - len(slots), num_seqs - len(seqs)
     return dict(
@@ -215,3 +215,17 @@ def test_builder_matches_a_token_by_token_build_under_decode_heavy_steps(seed):
         assert md.step_kind == classify_step(seqs)
         assert md.attention_pairs == attention_pairs(seqs)
         assert md.max_seq_len == max(x.context_len + x.num_new_tokens for x in seqs)
+
+
+def test_builder_steps_whose_sequences_add_zero_or_two_tokens_are_not_decode_steps():
+    # as many new tokens as sequences, but not one each: the general path, not the decode one
+    b = MetadataBuilder(max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=4, block_size=4,
+                        num_blocks=16)  # fmt: skip
+    for seqs in (
+        [SequenceSlice([3, 5], 5, 0), SequenceSlice([7, 2], 5, 2)],
+        [SequenceSlice([1], 2, 2), SequenceSlice([6, 9], 4, 0)],
+    ):
+        md = b.build(seqs, num_tokens=4, num_seqs=3)
+        for name, values in _expected_step(seqs, 4, 4, 3, 4).items():
+            assert getattr(md, name).tolist() == values, name
+        assert md.attention_pairs == attention_pairs(seqs) and md.step_kind == classify_step(seqs)

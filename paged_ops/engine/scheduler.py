@@ -225,27 +225,22 @@ class Scheduler:
           on length (with every seat taken and nobody finishing, they could not join anyway);
         - the new tokens' blocks are not free without preempting (this never preempts).
         """
-        running_now = SeqStatus.RUNNING
-        if sum(s.status is running_now for s in running.seqs) != len(self.running):
+        if sum(s.status is SeqStatus.RUNNING for s in running.seqs) != len(self.running):
             return None
-        waiting = bool(self.waiting)
-        if waiting and len(self.running) < self.max_num_seqs:
+        if self.waiting and len(self.running) < self.max_num_seqs:
             return None
         rows: list[int] = []
         starts: list[int] = []  # position of each row's new token
-        max_len = self.max_model_len
         for i, (seq, n) in enumerate(zip(running.seqs, running.num_new, strict=True)):
-            if seq.status is not running_now:
+            if seq.status is not SeqStatus.RUNNING:
                 continue  # finished on a stop token in the step before ``running``
             # The step before ``running`` has been postprocessed, so ``seq.tokens`` holds every
             # token but the one ``running`` samples, which goes at position ``pending``.
             pending = seq.num_computed + n
             if pending != len(seq.tokens):
                 return None  # a prompt chunk that does not reach the end of the prompt
-            # Reaches its length with ``running``'s sample appended (``_reaches_length`` inlined:
-            # this loop runs over every sequence of every overlapped step).
-            if pending + 1 - seq.prompt_len >= seq.params.max_new_tokens or pending + 1 >= max_len:
-                if waiting:
+            if self._reaches_length(seq, pending + 1):  # with ``running``'s sample appended
+                if self.waiting:
                     return None  # its seat frees: let a waiting request take it in a normal step
                 continue  # finishes on length with ``running``'s token
             rows.append(i)
@@ -253,8 +248,10 @@ class Scheduler:
         if not rows:
             return None
         seqs = [running.seqs[i] for i in rows]
-        bs = self.block_size
-        needs = [(p + bs) // bs - len(s.block_ids) for s, p in zip(seqs, starts, strict=True)]
+        needs = [
+            blocks_needed(p + 1, self.block_size) - len(s.block_ids)
+            for s, p in zip(seqs, starts, strict=True)
+        ]
         if not self.allocator.can_allocate(sum(needs)):
             return None
         for seq, need in zip(seqs, needs, strict=True):
@@ -277,12 +274,11 @@ class Scheduler:
         postprocessed in the order they were scheduled. Returns the sequences that got a new token.
         """
         advanced = []
-        running_now, bs, max_len = SeqStatus.RUNNING, self.block_size, self.max_model_len
         for seq, n, token in zip(batch.seqs, batch.num_new, sampled, strict=True):
-            if seq.status is not running_now:
+            if seq.status is not SeqStatus.RUNNING:
                 continue  # stopped in the previous step; this row was scheduled ahead of that
             seq.num_computed += n
-            if self.prefix_caching and len(seq.block_hashes) < seq.num_computed // bs:
+            if self.prefix_caching:
                 self._register_full_blocks(seq)
             if seq.num_computed < len(seq.tokens):
                 continue  # a prompt chunk: more of the prompt to go before sampling
@@ -291,10 +287,7 @@ class Scheduler:
             reason = None
             if token in seq.stop_ids:
                 reason = "stop"
-            elif (
-                len(seq.tokens) - seq.prompt_len >= seq.params.max_new_tokens
-                or len(seq.tokens) >= max_len
-            ):  # ``_reaches_length``, inlined (every sequence of every step)
+            elif self._reaches_length(seq, len(seq.tokens)):
                 reason = "length"
             if reason is not None:
                 seq.finish_reason, seq.status = reason, SeqStatus.FINISHED
