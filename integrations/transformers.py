@@ -39,6 +39,7 @@ from paged_ops.integrations.hf_cache import PagedCache, adopt_cache, cache_kwarg
 from paged_ops.integrations.hf_families import (
     DEFAULT_MAX_MODEL_LEN,
     SUPPORTED_MODEL_TYPES,
+    attention_modules,
     check_supported,
     new_paged_attention,
     refusal,
@@ -233,6 +234,29 @@ def unpatch_model(model: nn.Module) -> None:
         )
     unbind(model)
     _swap_config(model, model.config, binding.original_config)  # the config as it was
+
+
+def snapshot_model(model: nn.Module) -> Callable[[], None]:
+    """A function that puts back what patching, fusing and serving may change on ``model``: its
+    paged_ops binding (or its absence), its config object, its parameter objects and its
+    train/eval mode, as they are now. ``LLM`` calls it when its construction fails."""
+    binding, config, training = binding_of(model), model.config, model.training
+    params = [(m, name, p) for m in model.modules() for name, p in m._parameters.items()]
+
+    def restore() -> None:
+        now = binding_of(model)
+        if now is not binding:
+            if now is not None:
+                unbind(model)
+            _swap_config(model, model.config, config)
+            if binding is not None:
+                bind(model, binding.pa, list(attention_modules(model)), binding.original_config)
+        for module, name, param in params:
+            if module._parameters.get(name) is not param:
+                setattr(module, name, param)
+        model.train(training)
+
+    return restore
 
 
 def sizes_fixed(model: nn.Module) -> bool:

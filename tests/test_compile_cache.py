@@ -126,7 +126,7 @@ CHILD = textwrap.dedent(
     from paged_ops import LLM, SamplingParams
     from test_compile_cache import SIZES, tiny_llama
 
-    llm = LLM(tiny_llama(), **SIZES)  # compiled with Inductor
+    llm = LLM(tiny_llama(), compile=True, **SIZES)  # compiled with Inductor
     out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4), use_tqdm=False)
     print(json.dumps(dict(tokens=out[0].token_ids, caches=llm.compile_caches,
                           hits=counters["inductor"]["fxgraph_cache_hit"],

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import time
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +19,14 @@ from torch import nn
 from paged_ops.cache import KVCache, blocks_needed
 from paged_ops.engine import fusion
 from paged_ops.engine.compile_cache import configure_compile_caches
+from paged_ops.engine.inputs import (
+    check_llm_args,
+    check_model,
+    check_stop_ids,
+    default_compile,
+    encode_prompt,
+    is_chat,
+)
 from paged_ops.engine.params import GenerationMetrics, RequestOutput, SamplingParams, StreamChunk
 from paged_ops.engine.runner import ModelRunner, format_breakdown
 from paged_ops.engine.sampler import SamplingBatch, sample
@@ -27,6 +37,11 @@ from paged_ops.module import PagedAttention
 
 _CPU_KV_BYTES = 1 << 30  # default KV budget on CPU
 logger = logging.getLogger("paged_ops")
+# PagedAttention patched onto a model by an LLM -> that LLM: once it is gone, a new LLM on the
+# model re-patches it with its own sizes instead of holding it to the old ones.
+_PATCHED_BY: weakref.WeakKeyDictionary[PagedAttention, weakref.ref[LLM]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass
@@ -151,7 +166,9 @@ class LLM:
         For a model the caller patched (``patch_model``), the sizing arguments above come from
         its PagedAttention: leave them out, or give the same values (a conflicting one raises
         ``ValueError`` naming it).
-        compile: compile the forward with ``torch.compile(fullgraph=True)``.
+        compile: compile the forward with ``torch.compile(fullgraph=True)``; default (``None``):
+            on CUDA yes, on CPU no (there its warm-up of 15-60 s outweighs what it saves for the
+            small models that run on a CPU).
         cuda_graphs: replay decode steps from CUDA graphs (CUDA only).
         prefix_caching: share KV blocks of common prompt prefixes.
         max_num_tokens: token budget of one step (chunked prefill); default
@@ -182,6 +199,11 @@ class LLM:
             default; a tool's own variable set by the user wins either way
             (:func:`~paged_ops.engine.compile_cache.configure_compile_caches`).
 
+    Every argument is checked before the model is touched (``TypeError``/``ValueError`` naming
+    it); a construction that fails later (e.g. in the warm-up) leaves the model as it was.
+    ``close()`` or ``with LLM(...) as llm:`` frees the graphs, the compiled forward and, for a model
+    the LLM patched itself, the patch and its KV cache.
+
     After construction, ``warmup_s`` is the construction's wall time and ``warmup_breakdown``
     says where it went (``setup_s``: patching and sizing the cache; the rest from
     :meth:`~paged_ops.engine.runner.ModelRunner.warm_up`; ``total_s``); it is also logged at INFO
@@ -204,7 +226,7 @@ class LLM:
         max_model_len: int | None = None,
         num_blocks: int | None = None,
         gpu_memory_utilization: float | None = None,
-        compile: bool = True,
+        compile: bool | None = None,
         cuda_graphs: bool = True,
         prefix_caching: bool = True,
         max_num_tokens: int | None = None,
@@ -215,31 +237,66 @@ class LLM:
         calculate_kv_scales: bool | None = None,
         cache_dir: str | os.PathLike[str] | bool | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
-            raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
-        if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
-            )
+        check_model(model)
+        flags = dict(
+            compile=compile,
+            cuda_graphs=cuda_graphs,
+            prefix_caching=prefix_caching,
+            overlap=overlap,
+            fuse_projections=fuse_projections,
+            small_linears=small_linears,
+        )
+        sizes = check_llm_args(
+            model,
+            dict(
+                backend=backend,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                num_blocks=num_blocks,
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_num_tokens=max_num_tokens,
+                kv_cache_dtype=kv_cache_dtype,
+                calculate_kv_scales=calculate_kv_scales,
+            ),
+            flags,
+        )
+        if compile is None:
+            flags["compile"] = default_compile(model)
         t0 = time.perf_counter()
         self.compile_caches: dict[str, str] = {}  # each tool's cache variable -> its directory
         if cache_dir is not False:  # before anything compiles or imports flashinfer
             root = None if cache_dir is None or cache_dir is True else cache_dir
             self.compile_caches = configure_compile_caches(root)
-        model.eval()
         self.model, self.tokenizer = model, tokenizer
-        sizes = dict(
-            backend=backend,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            num_blocks=num_blocks,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_num_tokens=max_num_tokens,
-            kv_cache_dtype=kv_cache_dtype,
-            calculate_kv_scales=calculate_kv_scales,
+        self.closed = False
+        from paged_ops.integrations.transformers import snapshot_model
+
+        restore = snapshot_model(model)
+        try:  # a refused or failed construction leaves the model exactly as it was
+            model.eval()
+            self.pa, self._owns_patch = self._patched(model, sizes)
+            self._build(flags)
+        except BaseException:
+            restore()
+            raise
+        if self._owns_patch:
+            _PATCHED_BY[self.pa] = weakref.ref(self)
+        setup_s = self._setup_s - t0
+        self.warmup_s = time.perf_counter() - t0
+        self.warmup_breakdown: dict[str, Any] = dict(
+            setup_s=setup_s, **self._warmup_times, total_s=self.warmup_s
         )
-        self.pa = self._patched(model, {k: v for k, v in sizes.items() if v is not None})
+        logger.info("LLM warm-up %s", format_breakdown(self.warmup_breakdown))
+        self.last_metrics = GenerationMetrics()
+        self._next_id = 0
+        self._rng = random.Random()
+
+    def _build(self, flags: dict[str, bool]) -> None:
+        """Scheduler, runner and warm-up of the patched model (``self.pa``); ``flags``: the
+        constructor's switches, ``compile`` resolved."""
+        model, tokenizer = self.model, self.tokenizer
+        self.device = self.pa.kv_cache.device
         self.vocab_size = int(model.config.vocab_size)
         gen_cfg = getattr(model, "generation_config", None)
         self.eos_ids = _token_ids(getattr(gen_cfg, "eos_token_id", None)) or _token_ids(
@@ -253,46 +310,43 @@ class LLM:
             max_num_seqs=builder.max_num_seqs,
             max_num_tokens=builder.max_num_tokens,
             max_model_len=self.pa.max_model_len,
-            prefix_caching=prefix_caching,
+            prefix_caching=flags["prefix_caching"],
         )
-        self.overlap = overlap
+        self.overlap = flags["overlap"]
         self.runner = ModelRunner(
             model,
             self.pa,
-            compile=compile,
-            cuda_graphs=cuda_graphs,
-            fuse_projections=fuse_projections,
-            small_linears=small_linears,
+            compile=flags["compile"],
+            cuda_graphs=flags["cuda_graphs"],
+            fuse_projections=flags["fuse_projections"],
+            small_linears=flags["small_linears"],
         )
-        setup_s = time.perf_counter() - t0
-        breakdown = self.runner.warm_up()
+        self._setup_s = time.perf_counter()
+        self._warmup_times = self.runner.warm_up()
         self.pa.clear_step()
         if self.pa.calculate_kv_scales:
             self.pa.recalibrate_kv_scales()  # the warm-up's dummy tokens measured nothing real
             warnings.warn(
                 "calculate_kv_scales=True: the first step with real tokens fixes the FP8 KV "
                 "scales; later K/V values beyond twice that step's range saturate",
-                stacklevel=2,
+                stacklevel=3,
             )
-        self.warmup_s = time.perf_counter() - t0
-        self.warmup_breakdown: dict[str, Any] = dict(
-            setup_s=setup_s, **breakdown, total_s=self.warmup_s
-        )
-        logger.info("LLM warm-up %s", format_breakdown(self.warmup_breakdown))
-        self.last_metrics = GenerationMetrics()
-        self._next_id = 0
-        self._rng = random.Random()
 
     @staticmethod
-    def _patched(model: nn.Module, given: dict[str, Any]) -> PagedAttention:
-        """The model's PagedAttention: the caller's if they patched it (``given`` must agree with
-        it), else patched here with ``given`` sizes and defaults."""
+    def _patched(model: nn.Module, given: dict[str, Any]) -> tuple[PagedAttention, bool]:
+        """The model's PagedAttention and whether it was patched here: the caller's if they
+        patched it (``given`` must agree with it), else patched here with ``given`` sizes and
+        defaults."""
         from paged_ops.integrations import transformers as hf
 
         fixed = hf.paged_attention_of(model)
+        owner = _PATCHED_BY.get(fixed) if fixed is not None else None
+        if owner is not None and owner() is None:  # patched by an LLM that no longer exists
+            hf.unpatch_model(model)  # frees its cache before this LLM sizes its own
+            fixed = None
         if fixed is not None and hf.sizes_fixed(model):
             _check_sizes(fixed, given)
-            return fixed  # patched by the caller: use its cache as configured
+            return fixed, False  # patched by the caller: use its cache as configured
         backend = given.get("backend", "auto")
         block_size = given.get("block_size", 16)
         max_num_seqs = given.get("max_num_seqs", 256)
@@ -321,7 +375,7 @@ class LLM:
             per_block = _cache_bytes_per_block(model, block_size, cache_dtype)
             want = max_num_seqs * blocks_needed(max_model_len, block_size)
             num_blocks = max(min(want, _CPU_KV_BYTES // per_block), 1)
-        return hf.patch_model(
+        pa = hf.patch_model(
             model,
             backend=backend,
             block_size=block_size,
@@ -332,50 +386,47 @@ class LLM:
             kv_cache_dtype=cache_dtype,
             calculate_kv_scales=calculate_kv_scales,
         )
+        assert pa is not None  # strict patch_model raises instead
+        return pa, True
 
     # ---- input checks (all before any work) ----
-
-    def _encode(self, prompt: Any, index: int) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise TypeError(
-                    f"prompt {index} is text but the LLM has no tokenizer; pass token id lists "
-                    "or LLM(model, tokenizer)"
-                )
-            ids = list(self.tokenizer(prompt)["input_ids"])
-        elif isinstance(prompt, (list, tuple)) or (
-            isinstance(prompt, torch.Tensor) and prompt.dim() == 1
-        ):
-            ids = [int(t) for t in prompt]
-        else:
-            raise TypeError(
-                f"prompt {index} must be a str or a list of token ids, got {type(prompt).__name__}"
-            )
-        if not ids:
-            raise ValueError(f"prompt {index} is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt {index} has token ids {bad[:5]} outside [0, {self.vocab_size})"
-            )
-        return ids
 
     def _make_sequences(
         self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None
     ) -> list[Seq]:
-        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
-            raise TypeError("prompts must be a list of str or a list of token-id lists")
+        self._check_open()
+        if is_chat(prompts):
+            raise TypeError(
+                "prompts is one chat conversation (a list of messages); wrap it in a list: "
+                "generate([messages]), one conversation per prompt"
+            )
+        if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Sequence):
+            raise TypeError(
+                "prompts must be a list of prompts (str, token-id lists or chat conversations), "
+                f"got {type(prompts).__name__}"
+            )
         if params is None:
             params = SamplingParams()
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if isinstance(params, SamplingParams):
+            per_prompt: Sequence[Any] = [params] * len(prompts)
+        elif isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
+            per_prompt = params
+        else:
+            raise TypeError(
+                f"params must be a SamplingParams or a list of them, got {type(params).__name__}"
+            )
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         seqs = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"params {i} must be SamplingParams, got {type(p).__name__}")
-            ids = self._encode(prompt, i)
-            self.scheduler.check_fits(len(ids), p)
+            ids = encode_prompt(prompt, i, self.tokenizer, self.vocab_size)
+            check_stop_ids(p.stop_token_ids, i, self.vocab_size)
+            try:
+                self.scheduler.check_fits(len(ids), p)
+            except ValueError as err:
+                raise ValueError(f"prompt {i}: {err}") from None
             stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_ids)
             seed = p.seed if p.seed is not None else self._rng.getrandbits(32)
             seqs.append(Seq(self._next_id + i, len(ids), ids, p, seed, frozenset(stops)))
@@ -386,7 +437,7 @@ class LLM:
 
     def _run(self, seqs: list[Seq], metrics: GenerationMetrics) -> Iterator[list[Seq]]:
         """Step until every sequence has finished; yields the sequences that advanced each step."""
-        sched = self.scheduler
+        sched, pa = self.scheduler, self.pa  # close() may drop them while a stream is suspended
         from paged_ops.integrations.transformers import paged_attention_of
 
         if paged_attention_of(self.model) is not self.pa:
@@ -402,9 +453,14 @@ class LLM:
         preempted0, cached0 = sched.num_preemptions, sched.num_cached_blocks
         for seq in seqs:
             sched.add(seq)
+        finished = False
         try:
             launched: _Launched | None = None
-            while sched.has_work():
+            while True:
+                if self.closed:  # checked first: close() empties the scheduler
+                    raise RuntimeError("the LLM was closed while this generate/stream was running")
+                if not sched.has_work():
+                    break
                 if launched is None:
                     batch = sched.schedule()
                     if not batch.seqs:
@@ -420,11 +476,25 @@ class LLM:
                 metrics.num_overlapped_steps += launched.batch.feed_rows is not None
                 yield sched.postprocess(launched.batch, tokens)
                 launched = following
+            finished = True
         finally:
-            sched.abort_all()  # a stream closed early leaves nothing behind
-            self.pa.clear_step()  # graph replays leave the last packed step armed
+            if not finished:  # an exception, a KeyboardInterrupt or a stream closed early
+                self._settle_device()  # queued steps end before their blocks are handed out again
+            sched.abort_all()  # the unfinished requests are dropped and their blocks freed
+            pa.clear_step()  # graph replays leave the last packed step armed
             metrics.num_preemptions = sched.num_preemptions - preempted0
-            metrics.num_cached_tokens = (sched.num_cached_blocks - cached0) * self.pa.block_size
+            metrics.num_cached_tokens = (sched.num_cached_blocks - cached0) * pa.block_size
+
+    def _settle_device(self) -> None:
+        """Wait for the steps already queued on the device (their host buffers and blocks are
+        about to be reused). A device error raised here is logged, not raised: the exception
+        that ended the loop is the one to report."""
+        if self.device.type != "cuda":
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - the original exception is already propagating
+            logger.exception("waiting for the device after an aborted generate failed")
 
     def _launch(self, batch: ScheduledBatch, fed_from: torch.Tensor | None) -> _Launched:
         """Queue a step and its sampling on the device; nothing here waits for the device."""
@@ -458,29 +528,42 @@ class LLM:
         """Generate for every prompt; outputs come back in prompt order.
 
         Args:
-            prompts: text (needs a tokenizer) or token-id lists.
+            prompts: a list of prompts, each text (needs a tokenizer), token ids (a list of ints, a
+                1-D integer tensor or numpy array) or a chat conversation (a list of
+                ``{"role", "content"}`` messages; needs a tokenizer with a chat template). An
+                empty list returns an empty list.
             params: one SamplingParams for all, or one per prompt (default ``SamplingParams()``).
-            use_tqdm: show a progress bar (when tqdm is installed and there are several prompts).
+            use_tqdm: show a progress bar (when tqdm is installed and there are several prompts):
+                generated tokens against the most the requests can generate, and requests done.
+
+        Every argument is checked before any work (``TypeError``/``ValueError`` naming it). An
+        exception or ``KeyboardInterrupt`` during the call drops its unfinished requests and frees
+        their KV blocks; the LLM is ready for the next call.
         """
         seqs = self._make_sequences(prompts, params)
+        metrics = GenerationMetrics(num_requests=len(seqs))
+        if not seqs:
+            self.last_metrics = metrics
+            return []
         outputs = [RequestOutput(prompt_token_ids=list(s.tokens)) for s in seqs]
         index = {s.seq_id: i for i, s in enumerate(seqs)}
-        metrics = GenerationMetrics(num_requests=len(seqs))
         metrics.num_prompt_tokens = sum(s.prompt_len for s in seqs)
-        bar = _progress_bar(len(seqs)) if use_tqdm and len(seqs) > 1 else None
+        bar = _TokenProgress(seqs, self.pa.max_model_len) if use_tqdm and len(seqs) > 1 else None
         start = time.perf_counter()
-        for advanced in self._run(seqs, metrics):
-            now = time.perf_counter()
-            for seq in advanced:
-                out = outputs[index[seq.seq_id]]
-                metrics.num_generated_tokens += 1
-                if out.time_to_first_token is None:
-                    out.time_to_first_token = now - start
-                if seq.finish_reason is not None and bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(tok_s=f"{metrics.num_generated_tokens / (now - start):.0f}")
-        if bar is not None:
-            bar.close()
+        with contextlib.closing(self._run(seqs, metrics)) as steps:
+            try:
+                for advanced in steps:
+                    now = time.perf_counter()
+                    for seq in advanced:
+                        out = outputs[index[seq.seq_id]]
+                        metrics.num_generated_tokens += 1
+                        if out.time_to_first_token is None:
+                            out.time_to_first_token = now - start
+                    if bar is not None:
+                        bar.update(advanced, metrics.num_generated_tokens / (now - start))
+            finally:
+                if bar is not None:
+                    bar.close()
         metrics.elapsed_s = time.perf_counter() - start
         for seq, out in zip(seqs, outputs, strict=True):
             out.token_ids, out.finish_reason = seq.output_ids, seq.finish_reason
@@ -493,34 +576,109 @@ class LLM:
         self.last_metrics = metrics
         return outputs
 
-    def stream(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None
-    ) -> Iterator[StreamChunk]:
-        """Yield each new token (and its text, with a tokenizer) as soon as it is sampled."""
+    def stream(self, prompt: Any, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        """Yield each new token (and its text, with a tokenizer) as soon as it is sampled.
+
+        Args:
+            prompt: one prompt, as for :meth:`generate` (text, token ids or a chat conversation).
+            params: its SamplingParams (default ``SamplingParams()``).
+
+        The prompt and params are checked here, before the first chunk is asked for. Closing the
+        iterator early (``break``, ``.close()``) drops the request and frees its blocks.
+        """
+        several = isinstance(prompt, (list, tuple)) and prompt and not is_chat(prompt)
+        if several and all(isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompt):
+            raise TypeError(
+                f"stream takes one prompt, got a list of {len(prompt)} prompts; call it once "
+                "per prompt, or use generate for several"
+            )
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         (seq,) = self._make_sequences([prompt], params)
+        return self._stream(seq)
+
+    def _stream(self, seq: Seq) -> Iterator[StreamChunk]:
         metrics = GenerationMetrics(num_requests=1, num_prompt_tokens=seq.prompt_len)
         start, shown = time.perf_counter(), ""
-        for advanced in self._run([seq], metrics):
-            if not advanced:
-                continue  # a prompt chunk
-            if metrics.num_generated_tokens == 0:
-                metrics.mean_time_to_first_token_s = time.perf_counter() - start
-            metrics.num_generated_tokens += 1
-            metrics.elapsed_s = time.perf_counter() - start
-            self.last_metrics = metrics
-            text = None
-            if self.tokenizer is not None:
-                full = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-                if not full.endswith("\ufffd"):  # hold back an incomplete multi-byte character
-                    text, shown = full[len(shown) :], full
-                else:
-                    text = ""
-            yield StreamChunk(seq.tokens[-1], text, seq.finish_reason)
+        with contextlib.closing(self._run([seq], metrics)) as steps:
+            for advanced in steps:
+                if not advanced:
+                    continue  # a prompt chunk
+                if metrics.num_generated_tokens == 0:
+                    metrics.mean_time_to_first_token_s = time.perf_counter() - start
+                metrics.num_generated_tokens += 1
+                metrics.elapsed_s = time.perf_counter() - start
+                self.last_metrics = metrics
+                text = None
+                if self.tokenizer is not None:
+                    full = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+                    if not full.endswith("\ufffd"):  # hold back an incomplete multi-byte character
+                        text, shown = full[len(shown) :], full
+                    else:
+                        text = ""
+                yield StreamChunk(seq.tokens[-1], text, seq.finish_reason)
+
+    # ---- lifetime ----
+
+    def close(self) -> None:
+        """Free what this LLM holds: its CUDA graphs and compiled forward and, when the LLM
+        patched the model itself, the patch and its KV cache (the model is unpatched: a plain
+        transformers model again, with the same weights). A model the caller patched keeps its
+        PagedAttention and cache. A generate/stream still running is aborted. Calling it again
+        does nothing; generate/stream raise ``RuntimeError`` afterwards. ``with LLM(...) as llm:``
+        closes on exit."""
+        if self.closed:
+            return
+        self.closed = True
+        self.scheduler.abort_all()
+        self._settle_device()
+        self.pa.clear_step()
+        self.runner.close()
+        if self._owns_patch:
+            from paged_ops.integrations.transformers import paged_attention_of, unpatch_model
+
+            if paged_attention_of(self.model) is self.pa:
+                unpatch_model(self.model)
+        del self.pa, self.runner, self.scheduler
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this LLM is closed; build a new LLM(model) to generate again")
 
 
-def _progress_bar(total: int) -> Any | None:
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="generate", unit="req")
+class _TokenProgress:
+    """A tqdm bar over generated tokens (total: the most the requests can generate; a request
+    that stops early adds its unused budget), with requests done and tokens/s beside it."""
+
+    def __init__(self, seqs: list[Seq], max_model_len: int) -> None:
+        self.budget = {
+            s.seq_id: min(s.params.max_new_tokens, max_model_len - s.prompt_len) for s in seqs
+        }
+        self.num_requests, self.done = len(seqs), 0
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            self.bar = None
+            return
+        self.bar = tqdm(total=sum(self.budget.values()), desc="generate", unit="tok")
+
+    def update(self, advanced: list[Seq], tok_s: float) -> None:
+        if self.bar is None or not advanced:
+            return
+        step = len(advanced)
+        for seq in advanced:
+            if seq.finish_reason is not None:
+                self.done += 1
+                step += self.budget[seq.seq_id] - seq.num_generated  # unused budget
+        self.bar.update(step)
+        self.bar.set_postfix(req=f"{self.done}/{self.num_requests}", tok_s=f"{tok_s:.0f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

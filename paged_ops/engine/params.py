@@ -7,15 +7,67 @@ with a ``ValueError``/``TypeError`` before any model work starts.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 
-def _check_int(name: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
+def _scalar(value: Any) -> Any:
+    """A 0-d torch tensor as its Python number; anything else unchanged."""
+    return value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+
+
+def as_int(name: str, value: Any, low: int) -> int:
+    """``value`` as a Python int >= ``low``: ints, numpy and torch integer scalars are accepted;
+    bools, floats and anything else raise ``TypeError``, a smaller int ``ValueError``."""
+    value = _scalar(value)
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def as_float(name: str, value: Any) -> float:
+    """``value`` as a finite Python float: ints, floats, numpy and torch real scalars accepted."""
+    value = _scalar(value)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def as_token_ids(name: str, value: Any) -> list[int]:
+    """``value`` as a list of Python ints: a list/tuple of ints (or numpy/torch integer scalars),
+    a 1-D integer tensor or numpy array. A float, a bool, text or a nested list raises
+    ``TypeError`` naming ``name`` and the offending entry; negative ids ``ValueError``."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a list of token ids (ints), got {type(value).__name__}")
+    if isinstance(value, torch.Tensor) or hasattr(value, "dtype"):  # one check for all entries
+        shape = tuple(value.shape)
+        if len(shape) != 1:
+            raise TypeError(f"{name} must be 1-D, got shape {shape}")
+        dtype = value.dtype
+        integer = (
+            not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+            if isinstance(dtype, torch.dtype)
+            else getattr(dtype, "kind", "") in "iu"  # numpy
+        )
+        if not integer:
+            raise TypeError(f"{name} must hold integer token ids, got dtype {dtype}")
+        ids = value.tolist()
+    else:
+        ids = list(value)
+        if not all(type(t) is int for t in ids):  # the common case stays one fast pass
+            ids = [as_int(f"{name} entry {i}", t, 0) for i, t in enumerate(ids)]
+    negative = [t for t in ids if t < 0]
+    if negative:
+        raise ValueError(f"{name} has negative token ids {negative[:5]}")
+    return ids
 
 
 @dataclass(frozen=True)
@@ -45,30 +97,20 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
-        _check_int("top_k", self.top_k, 0)
-        for name in ("temperature", "top_p"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise TypeError(f"{name} must be a float, got {type(v).__name__} {v!r}")
-            if not math.isfinite(v):
-                raise ValueError(f"{name} must be finite, got {v}")
+        # numpy / torch scalars become Python numbers (frozen: set through object.__setattr__)
+        fix = object.__setattr__
+        fix(self, "max_new_tokens", as_int("max_new_tokens", self.max_new_tokens, 1))
+        fix(self, "top_k", as_int("top_k", self.top_k, 0))
+        fix(self, "temperature", as_float("temperature", self.temperature))
+        fix(self, "top_p", as_float("top_p", self.top_p))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
-            _check_int("seed", self.seed, 0)
+            fix(self, "seed", as_int("seed", self.seed, 0))
         if self.stop_token_ids is not None:
-            if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(
-                self.stop_token_ids, Sequence
-            ):
-                raise TypeError(
-                    f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}"
-                )
-            for t in self.stop_token_ids:
-                _check_int("stop_token_ids entry", t, 0)
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+            fix(self, "stop_token_ids", tuple(as_token_ids("stop_token_ids", self.stop_token_ids)))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 

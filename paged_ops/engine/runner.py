@@ -204,6 +204,19 @@ class ModelRunner:
         logits, greedy = self._call(num_tokens)
         return logits[:num_seqs], greedy[:num_seqs]
 
+    def close(self) -> None:
+        """Drop the CUDA graphs (and their memory pool), the compiled forward and the buffers;
+        the runner cannot execute afterwards."""
+        self._graphs.clear()
+        self.use_graphs, self.buckets = False, []
+        self._forward = self._closed_forward
+        empty = torch.zeros(0, dtype=torch.int64)
+        self.input_ids = self._host_ids = empty
+
+    @staticmethod
+    def _closed_forward(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("this ModelRunner is closed")
+
     def _elapsed(self, since: float) -> float:
         """Seconds since ``since``, once the device has finished the work queued so far."""
         if self.device.type == "cuda":
@@ -228,7 +241,9 @@ class ModelRunner:
     def warm_up(self) -> dict[str, Any]:
         """Compile the forward for prefill and decode shapes, then capture the decode graphs.
 
-        Uses only KV block 0 (nobody holds blocks yet), so it must run before any request.
+        Every warm-up step writes its K/V into one block taken from the allocator for the
+        warm-up (so a block of a registered prefix, e.g. one a previous LLM on the same caller-
+        patched model left, keeps its contents); ``RuntimeError`` if none is free.
 
         Returns:
             where the time went (also kept as ``warmup_breakdown``), seconds unless a count:
@@ -238,12 +253,25 @@ class ModelRunner:
             ``graph_warmup_s`` the runs before captures, ``capture_s`` the ``num_graphs``
             captures, ``capture_each_s`` each bucket's run + capture.
         """
+        allocator = self.pa.allocator
+        if not allocator.can_allocate(1):
+            raise RuntimeError(
+                "the warm-up needs one free KV block, but every block of the model's cache is in "
+                "use (a PagedCache of a running model.generate?)"
+            )
+        (block,) = allocator.allocate(1)  # forgets any prefix registered on it
+        try:
+            return self._warm_up(block)
+        finally:
+            allocator.free([block])
+
+    def _warm_up(self, block: int) -> dict[str, Any]:
         shapes = self._warm_up_shapes()
         times: dict[str, Any] = dict(compile_s=0.0, shapes_s=0.0, num_shapes=len(shapes))
         for i, (tokens, seqs) in enumerate(shapes):
             t0 = time.perf_counter()
             n = min(tokens // seqs, self.pa.max_model_len)
-            slices = [SequenceSlice([0] * -(-n // self.pa.block_size), 0, n)] * seqs
+            slices = [SequenceSlice([block] * -(-n // self.pa.block_size), 0, n)] * seqs
             self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
             self._load_ids([0] * (n * seqs), tokens)
             self._call(tokens)
@@ -257,12 +285,12 @@ class ModelRunner:
         pool = None
         for bucket in reversed(self.buckets):  # largest first: later graphs reuse its pool
             t0 = time.perf_counter()
-            slices = [SequenceSlice([0], 0, 1)] * bucket
+            slices = [SequenceSlice([block], 0, 1)] * bucket
             if (bucket, bucket) not in shapes:
                 # Run the step once outside the capture: kernel variants of this bucket (its
                 # KV split, Triton's integer specialisations) compile and Inductor's kernels
                 # autotune here, never inside the capture. A bucket whose exact step (one new
-                # token per sequence, block 0) was among the warm-up shapes has met them all.
+                # token per sequence, one block) was among the warm-up shapes has met them all.
                 self.pa.prepare_slices(slices, num_tokens=bucket, num_seqs=bucket)
                 self._load_ids([0] * bucket, bucket)
                 self._call(bucket)

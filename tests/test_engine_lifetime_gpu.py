@@ -1,0 +1,97 @@
+"""GPU: an LLM's memory comes back on close()/del, and a fault in a compiled, graphed, overlapped
+step leaves it serving the same tokens (run with -m gpu)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+from paged_ops import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+from paged_ops.integrations.transformers import paged_attention_of  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 512
+OPTS = dict(max_num_seqs=16, max_model_len=256, num_blocks=256, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def base() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=None,
+    )  # fmt: skip
+    with torch.device("cuda"):
+        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def prompts_and_params() -> tuple[list[list[int]], list[SamplingParams]]:
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (1, 9, 40, 17, 100)]
+    params = [
+        SamplingParams(max_new_tokens=40),
+        SamplingParams(max_new_tokens=30, temperature=0.8, top_p=0.9, seed=3),
+        SamplingParams(max_new_tokens=40),
+        SamplingParams(max_new_tokens=25, temperature=1.0, top_k=50, seed=7),
+        SamplingParams(max_new_tokens=35),
+    ]
+    return prompts, params
+
+
+def settled_memory() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def test_close_and_del_give_the_memory_back(base):
+    model = copy.deepcopy(base)
+    prompts, params = prompts_and_params()
+    start = settled_memory()
+    llm = LLM(model, **OPTS)
+    llm.generate(prompts, params, use_tqdm=False)
+    assert settled_memory() > start
+    llm.close()
+    assert paged_attention_of(model) is None
+    assert settled_memory() == start, "close() left device memory allocated"
+    for _ in range(3):  # build, use and drop without close(): the next LLM replaces the old cache
+        llm = LLM(model, **OPTS)
+        llm.generate(prompts, params, use_tqdm=False)
+        del llm
+    again = LLM(model, **OPTS)
+    in_use = settled_memory()
+    again.close()
+    assert settled_memory() == start
+    print(f"one LLM holds {(in_use - start) / 2**20:.1f} MiB; after close: back to the start")
+
+
+def test_a_fault_in_an_overlapped_graphed_step_leaves_the_llm_serving(base):
+    prompts, params = prompts_and_params()
+    llm = LLM(copy.deepcopy(base), **OPTS)
+    assert llm.runner.use_graphs and llm.runner._compiled
+    want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    real, fed = llm.runner.execute, []
+
+    def execute(batch, fed_from=None):
+        out = real(batch, fed_from)
+        fed.append(fed_from is not None)
+        if len(fed) == 20:
+            raise KeyboardInterrupt("injected")
+        return out
+
+    llm.runner.execute = execute
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert fed[-1], "the fault should hit a step queued ahead (overlap)"
+    allocator = llm.pa.allocator
+    assert allocator.num_free == allocator.num_blocks and not llm.scheduler.has_work()
+    del llm.runner.execute
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    llm.close()
