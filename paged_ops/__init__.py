@@ -15,6 +15,7 @@ from paged_ops.engine import (
     GenerationMetrics,
     RequestOutput,
     SamplingParams,
+    SpeculativeConfig,
     StreamChunk,
     configure_compile_caches,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SequenceSlice",
+    "SpeculativeConfig",
     "StreamChunk",
     "available_backends",
     "blocks_needed",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -19,6 +20,7 @@ from torch import nn
 from paged_ops.cache import KVCache, blocks_needed
 from paged_ops.engine import fusion
 from paged_ops.engine.compile_cache import configure_compile_caches
+from paged_ops.engine.draft import DraftModel, check_draft_model
 from paged_ops.engine.inputs import (
     check_llm_args,
     check_model,
@@ -28,10 +30,13 @@ from paged_ops.engine.inputs import (
     is_chat,
 )
 from paged_ops.engine.params import GenerationMetrics, RequestOutput, SamplingParams, StreamChunk
+from paged_ops.engine.rejection import verify
 from paged_ops.engine.runner import ModelRunner, format_breakdown
 from paged_ops.engine.sampler import SamplingBatch, sample
 from paged_ops.engine.scheduler import ScheduledBatch, Scheduler
 from paged_ops.engine.scheduler import Sequence as Seq
+from paged_ops.engine.speculative import SpecMetrics, SpeculativeConfig
+from paged_ops.engine.speculator import Speculator, row_settings
 from paged_ops.fp8 import resolve_kv_cache_dtype
 from paged_ops.module import PagedAttention
 
@@ -84,6 +89,7 @@ def _profile_num_blocks(
     max_num_seqs: int,
     util: float,
     cache_dtype: torch.dtype,
+    draft: nn.Module | None = None,
 ) -> int:
     """KV blocks that fit on the GPU: ``util`` x total memory, less what a warm-up forward uses."""
     cfg, param = model.config, next(model.parameters())
@@ -102,6 +108,8 @@ def _profile_num_blocks(
     extra = max_num_seqs * cfg.vocab_size * 4 * 6 + (512 << 20)
     budget = total * util - (total - free) - activations - extra
     per_block = _cache_bytes_per_block(model, block_size, cache_dtype)
+    if draft is not None:  # a draft model's cache has as many blocks as the target's
+        per_block += _cache_bytes_per_block(draft, block_size, next(draft.parameters()).dtype)
     if budget < per_block:
         raise ValueError(
             f"gpu_memory_utilization={util} leaves no room for the KV cache "
@@ -193,6 +201,14 @@ class LLM:
             real tokens measures each layer's and head's K/V amax and fixes the scales at
             ``amax / (fp8_max / 2)``; tokens of later requests beyond twice that range saturate
             (a warning says so at construction).
+        speculative: a :class:`~paged_ops.engine.speculative.SpeculativeConfig` to decode
+            speculatively: n-gram (prompt lookup) or draft-model drafts verified by the model in
+            one step of ``k + 1`` tokens per sequence (target-verify CUDA graphs per batch
+            bucket). Greedy output is token for token what it is without speculation; sampled
+            output has the same distribution (rejection sampling). ``last_metrics`` counts
+            drafted and accepted tokens. A draft model is patched onto its own cache (as many
+            blocks as the target's; the memory budget accounts for both) and unpatched by
+            ``close()``.
         cache_dir: where compiled code is kept between processes (Inductor's FX graph, AOTAutograd
             and autotune caches, Triton's kernels, FlashInfer's JIT modules): ``None`` for
             ``$PAGED_OPS_CACHE_DIR`` or ``~/.cache/paged_ops``, ``False`` to leave each tool's own
@@ -236,8 +252,16 @@ class LLM:
         kv_cache_dtype: str | torch.dtype | None = None,
         calculate_kv_scales: bool | None = None,
         cache_dir: str | os.PathLike[str] | bool | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         check_model(model)
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise TypeError(
+                f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}"
+            )
+        draft = speculative.draft_model if speculative is not None else None
+        if draft is not None:
+            check_draft_model(draft, model)
         flags = dict(
             compile=compile,
             cuda_graphs=cuda_graphs,
@@ -273,12 +297,16 @@ class LLM:
         from paged_ops.integrations.transformers import snapshot_model
 
         restore = snapshot_model(model)
-        try:  # a refused or failed construction leaves the model exactly as it was
+        restore_draft = snapshot_model(draft) if draft is not None else None
+        self.speculative = speculative
+        try:  # a refused or failed construction leaves the model(s) exactly as they were
             model.eval()
-            self.pa, self._owns_patch = self._patched(model, sizes)
+            self.pa, self._owns_patch = self._patched(model, sizes, draft)
             self._build(flags)
         except BaseException:
             restore()
+            if restore_draft is not None:
+                restore_draft()
             raise
         if self._owns_patch:
             _PATCHED_BY[self.pa] = weakref.ref(self)
@@ -313,17 +341,41 @@ class LLM:
             prefix_caching=flags["prefix_caching"],
         )
         self.overlap = flags["overlap"]
-        self.runner = ModelRunner(
-            model,
-            self.pa,
+        runner_opts = dict(
             compile=flags["compile"],
             cuda_graphs=flags["cuda_graphs"],
             fuse_projections=flags["fuse_projections"],
             small_linears=flags["small_linears"],
         )
+        spec = self.speculative
+        self.runner = ModelRunner(
+            model,
+            self.pa,
+            **runner_opts,
+            verify_tokens=spec.num_tokens if spec is not None else 0,
+            verify_max_seqs=min(spec.disable_by_batch_size, builder.max_num_seqs) if spec else 0,
+        )
+        self.spec: Speculator | None = None
+        if spec is not None:
+            draft = None
+            if spec.draft_model is not None:
+                draft = DraftModel(
+                    spec.draft_model,
+                    self.pa,
+                    backend=self._backend_name,
+                    runner_opts=runner_opts,
+                )
+            self.spec = Speculator(spec, draft)
         self._setup_s = time.perf_counter()
         self._warmup_times = self.runner.warm_up()
         self.pa.clear_step()
+        if self.spec is not None and self.spec.draft is not None:
+            draft_times = self.spec.draft.warm_up()
+            self._warmup_times["draft_s"] = sum(
+                v
+                for key, v in draft_times.items()
+                if key.endswith("_s") and key != "capture_each_s"
+            )
         if self.pa.calculate_kv_scales:
             self.pa.recalibrate_kv_scales()  # the warm-up's dummy tokens measured nothing real
             warnings.warn(
@@ -332,8 +384,16 @@ class LLM:
                 stacklevel=3,
             )
 
+    @property
+    def _backend_name(self) -> str:
+        """The backend a draft model gets: the target's if it runs one backend, else "auto"."""
+        names = set(self.pa.layer_backends)
+        return names.pop() if len(names) == 1 else "auto"
+
     @staticmethod
-    def _patched(model: nn.Module, given: dict[str, Any]) -> tuple[PagedAttention, bool]:
+    def _patched(
+        model: nn.Module, given: dict[str, Any], draft: nn.Module | None = None
+    ) -> tuple[PagedAttention, bool]:
         """The model's PagedAttention and whether it was patched here: the caller's if they
         patched it (``given`` must agree with it), else patched here with ``given`` sizes and
         defaults."""
@@ -370,6 +430,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 util=gpu_memory_utilization,
                 cache_dtype=cache_dtype,
+                draft=draft,
             )
         elif num_blocks is None:
             per_block = _cache_bytes_per_block(model, block_size, cache_dtype)
@@ -451,6 +512,8 @@ class LLM:
             )
         fusion.check_stacked(self.runner.fused_groups)
         preempted0, cached0 = sched.num_preemptions, sched.num_cached_blocks
+        spec = self.spec
+        spec0 = dataclasses.replace(spec.metrics) if spec is not None else None
         for seq in seqs:
             sched.add(seq)
         finished = False
@@ -462,19 +525,31 @@ class LLM:
                 if not sched.has_work():
                     break
                 if launched is None:
+                    if spec is not None:
+                        spec.plan(sched.running)  # which running requests verify drafts
                     batch = sched.schedule()
                     if not batch.seqs:
                         raise RuntimeError("the scheduler made no progress (KV cache too small?)")
                     launched = self._launch(batch, None)
-                ahead = sched.schedule_ahead(launched.batch) if self.overlap else None
+                ahead = None
+                if self.overlap and (spec is None or not spec.may_draft(sched.running)):
+                    ahead = sched.schedule_ahead(launched.batch)
                 # Queue the next step before waiting for this one: the device never idles while
                 # the host reads ids and postprocesses.
                 following = self._launch(ahead, launched.sampled) if ahead is not None else None
                 tokens = launched.read()  # the one host sync of the step
+                done = launched.batch
                 metrics.num_steps += 1
-                metrics.num_decode_steps += launched.batch.is_decode
-                metrics.num_overlapped_steps += launched.batch.feed_rows is not None
-                yield sched.postprocess(launched.batch, tokens)
+                metrics.num_decode_steps += done.is_decode
+                metrics.num_overlapped_steps += done.feed_rows is not None
+                if done.is_verify:
+                    assert spec is not None
+                    sampled, accepted = spec.resolve(done, tokens)
+                    advanced = sched.postprocess(done, sampled, accepted)
+                    spec.rolled_back(done)
+                else:
+                    advanced = sched.postprocess(done, tokens)
+                yield advanced
                 launched = following
             finished = True
         finally:
@@ -484,6 +559,8 @@ class LLM:
             pa.clear_step()  # graph replays leave the last packed step armed
             metrics.num_preemptions = sched.num_preemptions - preempted0
             metrics.num_cached_tokens = (sched.num_cached_blocks - cached0) * pa.block_size
+            if spec is not None:
+                metrics.add_speculation(spec.metrics, spec0)
 
     def _settle_device(self) -> None:
         """Wait for the steps already queued on the device (their host buffers and blocks are
@@ -497,7 +574,14 @@ class LLM:
             logger.exception("waiting for the device after an aborted generate failed")
 
     def _launch(self, batch: ScheduledBatch, fed_from: torch.Tensor | None) -> _Launched:
-        """Queue a step and its sampling on the device; nothing here waits for the device."""
+        """Queue a step and its sampling on the device; nothing here waits for the device
+        (a draft model's proposals excepted: their ids are read to build the verify step)."""
+        if batch.is_verify:
+            assert self.spec is not None
+            draft_ids, draft_probs = self.spec.fill(batch)  # writes the drafts into the step
+            logits, greedy = self.runner.execute(batch)  # [R, V], [R]: every verify row
+            sampled = verify(logits, row_settings(batch), greedy, draft_ids, draft_probs)
+            return self._copy_out(batch, sampled)  # [3, R]
         logits, greedy = self.runner.execute(batch, fed_from)  # [S, V], [S]
         temperatures = [s.params.temperature for s in batch.seqs]
         if any(temperatures):
@@ -511,6 +595,11 @@ class LLM:
             sampled = sample(logits, sampling, greedy)  # [S] int64
         else:
             sampled = greedy  # every sequence greedy: the forward's argmax is the sample
+        return self._copy_out(batch, sampled)
+
+    @staticmethod
+    def _copy_out(batch: ScheduledBatch, sampled: torch.Tensor) -> _Launched:
+        """Start the copy of a step's sampled ids to the host (no wait)."""
         if sampled.device.type != "cuda":
             return _Launched(batch, sampled, sampled, None)
         host = sampled.to("cpu", non_blocking=True)  # pinned by the caching host allocator
@@ -548,19 +637,26 @@ class LLM:
         outputs = [RequestOutput(prompt_token_ids=list(s.tokens)) for s in seqs]
         index = {s.seq_id: i for i, s in enumerate(seqs)}
         metrics.num_prompt_tokens = sum(s.prompt_len for s in seqs)
-        bar = _TokenProgress(seqs, self.pa.max_model_len) if use_tqdm and len(seqs) > 1 else None
+        bar = None
+        if use_tqdm and len(seqs) > 1:
+            spec_metrics = self.spec.metrics if self.spec is not None else None
+            bar = _TokenProgress(seqs, self.pa.max_model_len, spec_metrics)
         start = time.perf_counter()
+        seen = dict.fromkeys(index, 0)  # seq id -> tokens generated so far
         with contextlib.closing(self._run(seqs, metrics)) as steps:
             try:
                 for advanced in steps:
                     now = time.perf_counter()
+                    new = 0  # a verify step gives a sequence several tokens
                     for seq in advanced:
                         out = outputs[index[seq.seq_id]]
-                        metrics.num_generated_tokens += 1
+                        new += seq.num_generated - seen[seq.seq_id]
+                        seen[seq.seq_id] = seq.num_generated
                         if out.time_to_first_token is None:
                             out.time_to_first_token = now - start
+                    metrics.num_generated_tokens += new
                     if bar is not None:
-                        bar.update(advanced, metrics.num_generated_tokens / (now - start))
+                        bar.update(advanced, new, metrics)
             finally:
                 if bar is not None:
                     bar.close()
@@ -606,17 +702,21 @@ class LLM:
                     continue  # a prompt chunk
                 if metrics.num_generated_tokens == 0:
                     metrics.mean_time_to_first_token_s = time.perf_counter() - start
-                metrics.num_generated_tokens += 1
+                first = metrics.num_generated_tokens  # a verify step may have added several
+                metrics.num_generated_tokens = seq.num_generated
                 metrics.elapsed_s = time.perf_counter() - start
                 self.last_metrics = metrics
-                text = None
-                if self.tokenizer is not None:
-                    full = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-                    if not full.endswith("\ufffd"):  # hold back an incomplete multi-byte character
-                        text, shown = full[len(shown) :], full
-                    else:
-                        text = ""
-                yield StreamChunk(seq.tokens[-1], text, seq.finish_reason)
+                for n in range(first + 1, seq.num_generated + 1):
+                    text = None
+                    if self.tokenizer is not None:
+                        full = self.tokenizer.decode(seq.output_ids[:n], skip_special_tokens=True)
+                        if not full.endswith("\ufffd"):  # hold back an incomplete character
+                            text, shown = full[len(shown) :], full
+                        else:
+                            text = ""
+                    last = n == seq.num_generated
+                    token = seq.tokens[seq.prompt_len + n - 1]
+                    yield StreamChunk(token, text, seq.finish_reason if last else None)
 
     # ---- lifetime ----
 
@@ -634,6 +734,8 @@ class LLM:
         self._settle_device()
         self.pa.clear_step()
         self.runner.close()
+        if self.spec is not None:
+            self.spec.close()  # unpatches the draft model
         if self._owns_patch:
             from paged_ops.integrations.transformers import paged_attention_of, unpatch_model
 
@@ -656,7 +758,10 @@ class _TokenProgress:
     """A tqdm bar over generated tokens (total: the most the requests can generate; a request
     that stops early adds its unused budget), with requests done and tokens/s beside it."""
 
-    def __init__(self, seqs: list[Seq], max_model_len: int) -> None:
+    def __init__(
+        self, seqs: list[Seq], max_model_len: int, spec: SpecMetrics | None = None
+    ) -> None:
+        self.spec = spec  # speculation counters (live), for the acceptance rate
         self.budget = {
             s.seq_id: min(s.params.max_new_tokens, max_model_len - s.prompt_len) for s in seqs
         }
@@ -668,16 +773,21 @@ class _TokenProgress:
             return
         self.bar = tqdm(total=sum(self.budget.values()), desc="generate", unit="tok")
 
-    def update(self, advanced: list[Seq], tok_s: float) -> None:
+    def update(self, advanced: list[Seq], new_tokens: int, metrics: GenerationMetrics) -> None:
         if self.bar is None or not advanced:
             return
-        step = len(advanced)
+        step = new_tokens
         for seq in advanced:
             if seq.finish_reason is not None:
                 self.done += 1
                 step += self.budget[seq.seq_id] - seq.num_generated  # unused budget
         self.bar.update(step)
-        self.bar.set_postfix(req=f"{self.done}/{self.num_requests}", tok_s=f"{tok_s:.0f}")
+        elapsed = self.bar.format_dict.get("elapsed") or 0.0
+        tok_s = metrics.num_generated_tokens / elapsed if elapsed > 0 else 0.0
+        post = dict(req=f"{self.done}/{self.num_requests}", tok_s=f"{tok_s:.0f}")
+        if self.spec is not None and self.spec.num_draft_tokens:
+            post["accept"] = f"{self.spec.acceptance_rate:.0%}"
+        self.bar.set_postfix(post)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -161,17 +161,46 @@ class GenerationMetrics:
     num_overlapped_steps: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    # speculative decoding (LLM(speculative=...)): sequence-steps that verified drafts, drafts
+    # verified (padding excluded) and drafts accepted
+    num_verify_rows: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.num_generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over verified drafts (0 without speculation)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a sequence gained per verify step: accepted drafts + the target's own token
+        (vLLM's "mean acceptance length"; 1.0 = nothing accepted)."""
+        rows = self.num_verify_rows
+        return (self.num_accepted_tokens + rows) / rows if rows else 0.0
+
+    def add_speculation(self, now: Any, before: Any) -> None:
+        """Add the speculation counters gained between two snapshots of ``SpecMetrics``."""
+        for name in ("num_verify_rows", "num_draft_tokens", "num_accepted_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(now, name) - getattr(before, name))
+
     def summary(self) -> str:
-        return (
+        line = (
             f"{self.num_requests} requests, {self.num_prompt_tokens} prompt + "
             f"{self.num_generated_tokens} generated tokens in {self.elapsed_s:.2f} s: "
             f"{self.tokens_per_s:,.1f} tok/s, mean TTFT {self.mean_time_to_first_token_s * 1e3:.1f} ms"
         )
+        if self.num_draft_tokens:
+            line += (
+                f"; speculation: {self.num_accepted_tokens}/{self.num_draft_tokens} drafts "
+                f"accepted ({self.acceptance_rate:.0%}), {self.mean_accepted_length:.2f} tokens "
+                "per verify"
+            )
+        return line
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,10 @@ class ModelRunner:
         small_linears: with ``compile``, run the projections through ``paged_ops::small_linear``
             (a Triton GEMV for steps of <= 16 tokens, cuBLAS above; the vocabulary head stays on
             cuBLAS). Off by default: not faster than cuBLAS on an H100 yet (NOTES.md section 11).
+        verify_tokens: speculative decoding's ``k``: with CUDA graphs, verify steps (every
+            sequence feeds ``k + 1`` tokens and needs logits at each) get graphs of their own per
+            batch bucket up to ``verify_max_seqs`` (the target-verify graphs); 0 = none.
+        verify_max_seqs: the largest batch that verifies drafts (speculation's batch limit).
     """
 
     def __init__(
@@ -79,6 +83,8 @@ class ModelRunner:
         cuda_graphs: bool,
         fuse_projections: bool = True,
         small_linears: bool = False,
+        verify_tokens: int = 0,
+        verify_max_seqs: int = 0,
     ) -> None:
         self.model, self.pa = model, pa
         self.device = pa.kv_cache.device
@@ -89,6 +95,8 @@ class ModelRunner:
         self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=self.device)
         self._host_ids = torch.zeros(self.max_num_tokens, dtype=torch.int64, pin_memory=on_cuda)
         self._host_ids_copied = torch.cuda.Event() if on_cuda else None
+        # [T_max] packed-token index of each logits row of a verify step (graphs: 0, 1, 2, ...)
+        self.logit_rows = torch.arange(self.max_num_tokens, dtype=torch.int64, device=self.device)
         self._compiled = compile
         self._forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._model_forward
         self.fused_groups: list = []  # projection groups whose weights were stacked
@@ -112,6 +120,17 @@ class ModelRunner:
         self.buckets = graph_buckets(self.max_num_seqs) if self.use_graphs else []
         # bucket -> (graph, its static outputs: logits [bucket, V], greedy ids [bucket])
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.verify_tokens = verify_tokens
+        self.verify_buckets: list[int] = []
+        if self.use_graphs and verify_tokens and self._graph_safe("prefill"):
+            most = min(verify_max_seqs, self.max_num_tokens // (verify_tokens + 1))
+            self.verify_buckets = [b for b in self.buckets if b < most] + [most] * (most > 0)
+            self.verify_buckets = sorted(set(self.verify_buckets))
+        # bucket -> graph of a verify step with verify_tokens drafts per sequence:
+        # logits [bucket * (k + 1), V], greedy ids [bucket * (k + 1)]
+        self._verify_graphs: dict[
+            int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]
+        ] = {}
         self.warmup_breakdown: dict[str, Any] = {}  # filled by warm_up
 
     def _count_fused(self, removed: int) -> None:
@@ -133,9 +152,19 @@ class ModelRunner:
         logits = out.logits[0]
         return logits, greedy_ids(logits)
 
-    def _call(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _graph_safe(self, kind: str) -> bool:
+        """Whether steps of ``kind`` may be captured: no layer's backend plans on the host for
+        them (a host-planned backend replays its captured plan, stale for another step)."""
+        from paged_ops.backends.by_step import is_planned
+
+        return not any(is_planned(name) for name, _ in self.pa.routing.routes(kind))
+
+    def _call(
+        self, num_tokens: int, logit_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         md = self.pa.metadata
-        args = (self.input_ids[:num_tokens], md.positions, md.logits_indices)
+        rows = md.logits_indices if logit_rows is None else logit_rows
+        args = (self.input_ids[:num_tokens], md.positions, rows)
         if not self._compiled:
             return self._forward(*args)
         # The step's T and S are the only sizes that change: mark them dynamic on every tensor
@@ -192,6 +221,8 @@ class ModelRunner:
             logits of each sequence's last new token ``[S, V]`` and their argmax ``[S]`` int64.
         """
         num_seqs = len(batch.seqs)
+        if batch.is_verify:
+            return self._execute_verify(batch)
         if self.use_graphs and batch.is_decode and num_seqs <= self.buckets[-1]:
             bucket = next(b for b in self.buckets if b >= num_seqs)
             self._set_inputs(batch, fed_from, bucket, bucket)
@@ -204,11 +235,31 @@ class ModelRunner:
         logits, greedy = self._call(num_tokens)
         return logits[:num_seqs], greedy[:num_seqs]
 
+    def _execute_verify(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step with drafts to verify: logits at every row of ``batch.logit_rows``
+        (``[R, V]`` and argmax ``[R]``), from a verify graph when every sequence verifies
+        ``verify_tokens`` drafts and a bucket fits, else from the compiled forward."""
+        num_seqs, k = len(batch.seqs), self.verify_tokens
+        assert batch.num_draft is not None
+        uniform = all(n == k for n in batch.num_draft)
+        if uniform and self.verify_buckets and num_seqs <= self.verify_buckets[-1]:
+            bucket = next(b for b in self.verify_buckets if b >= num_seqs)
+            self._set_inputs(batch, None, bucket * (k + 1), bucket)
+            graph, (logits, greedy) = self._verify_graphs[bucket]
+            graph.replay()
+            rows = num_seqs * (k + 1)
+            return logits[:rows], greedy[:rows]
+        rows = batch.logit_rows
+        num_tokens = max(batch.num_tokens, 2)
+        self._set_inputs(batch, None, num_tokens, min(max(num_seqs, 2), self.max_num_seqs))
+        return self._call(num_tokens, host_to_device(rows, torch.int64, self.device))
+
     def close(self) -> None:
         """Drop the CUDA graphs (and their memory pool), the compiled forward and the buffers;
         the runner cannot execute afterwards."""
         self._graphs.clear()
-        self.use_graphs, self.buckets = False, []
+        self._verify_graphs.clear()
+        self.use_graphs, self.buckets, self.verify_buckets = False, [], []
         self._forward = self._closed_forward
         empty = torch.zeros(0, dtype=torch.int64)
         self.input_ids = self._host_ids = empty
@@ -276,35 +327,53 @@ class ModelRunner:
             self._load_ids([0] * (n * seqs), tokens)
             self._call(tokens)
             times["compile_s" if i == 0 else "shapes_s"] += self._elapsed(t0)
+        if self.verify_tokens and self._compiled:  # logits at every token: R = T rows
+            t0 = time.perf_counter()
+            n, seqs = self.verify_tokens + 1, min(2, self.max_num_seqs)
+            slices = [SequenceSlice([block] * -(-n // self.pa.block_size), 0, n)] * seqs
+            self.pa.prepare_slices(slices, num_tokens=n * seqs, num_seqs=seqs)
+            self._load_ids([0] * (n * seqs), n * seqs)
+            self._call(n * seqs, self.logit_rows[: n * seqs])
+            times["shapes_s"] += self._elapsed(t0)
+            times["num_shapes"] += 1
         times.update(graph_warmup_s=0.0, capture_s=0.0, num_graphs=0, capture_each_s={})
         self.warmup_breakdown = times
         if not self.use_graphs:
             return times
         # Captures run one after another: torch captures one graph per stream at a time, and every
         # bucket's capture arms the same PagedAttention step state (metadata buffers, plans).
+        # Largest first: later graphs reuse its pool. Verify graphs (k + 1 tokens per sequence,
+        # logits at each) share the pool too.
+        k = self.verify_tokens
+        plan = [(b, 1, self._graphs) for b in reversed(self.buckets)]
+        plan += [(b, k + 1, self._verify_graphs) for b in reversed(self.verify_buckets)]
         pool = None
-        for bucket in reversed(self.buckets):  # largest first: later graphs reuse its pool
+        for bucket, per_seq, graphs in plan:
             t0 = time.perf_counter()
-            slices = [SequenceSlice([block], 0, 1)] * bucket
-            if (bucket, bucket) not in shapes:
+            tokens = bucket * per_seq
+            blocks = [block] * -(-per_seq // self.pa.block_size)
+            slices = [SequenceSlice(blocks, 0, per_seq)] * bucket
+            rows = None if per_seq == 1 else self.logit_rows[:tokens]
+            if (tokens, bucket) not in shapes or per_seq > 1:
                 # Run the step once outside the capture: kernel variants of this bucket (its
                 # KV split, Triton's integer specialisations) compile and Inductor's kernels
-                # autotune here, never inside the capture. A bucket whose exact step (one new
-                # token per sequence, one block) was among the warm-up shapes has met them all.
-                self.pa.prepare_slices(slices, num_tokens=bucket, num_seqs=bucket)
-                self._load_ids([0] * bucket, bucket)
-                self._call(bucket)
+                # autotune here, never inside the capture. A decode bucket whose exact step (one
+                # new token per sequence, one block) was among the warm-up shapes has met them.
+                self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=bucket)
+                self._load_ids([0] * tokens, tokens)
+                self._call(tokens, rows)
                 times["graph_warmup_s"] += self._elapsed(t0)
             t1 = time.perf_counter()
             # a forward consumes its prepared step: the captured one gets its own, as each replay
-            self.pa.prepare_slices(slices, num_tokens=bucket, num_seqs=bucket)
+            self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=bucket)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                outputs = self._call(bucket)  # logits [bucket, V], greedy ids [bucket]
+                outputs = self._call(tokens, rows)  # logits [rows, V], greedy ids [rows]
             pool = graph.pool()
-            self._graphs[bucket] = (graph, outputs)
+            graphs[bucket] = (graph, outputs)
             times["capture_s"] += self._elapsed(t1)
-            times["capture_each_s"][bucket] = round(self._elapsed(t0), 4)
+            name = bucket if per_seq == 1 else f"verify{bucket}"
+            times["capture_each_s"][name] = round(self._elapsed(t0), 4)
             times["num_graphs"] += 1
         return times
 

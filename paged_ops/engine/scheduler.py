@@ -28,6 +28,7 @@ import bisect
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from paged_ops.cache import BlockAllocator, blocks_needed
 from paged_ops.engine.params import SamplingParams
@@ -57,6 +58,11 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    # Speculative decoding: draft tokens this sequence asks to verify in its next decode step
+    # (set by the LLM's speculator before ``schedule``; 0 = a plain decode step), and the
+    # speculator's per-request state (``None`` without speculation).
+    num_draft: int = 0
+    spec: Any = None
 
     @property
     def num_generated(self) -> int:
@@ -78,6 +84,27 @@ class ScheduledBatch:
     # Scheduled ahead: row i's input id is row feed_rows[i] of the previous step's sampled ids,
     # which are still on the device (every sequence then has one token not yet appended).
     feed_rows: list[int] | None = None
+    # Speculative decoding: row i verifies num_draft[i] draft tokens (its new tokens are its last
+    # known token followed by the drafts, which the speculator writes into ``input_ids``); the
+    # step then needs logits at every new token of such a row. ``None``: no row verifies.
+    num_draft: list[int] | None = None
+
+    @property
+    def is_verify(self) -> bool:
+        return self.num_draft is not None
+
+    @property
+    def logit_rows(self) -> list[int]:
+        """Packed-token index of every row that needs logits: each sequence's last new token,
+        and every new token of a sequence that verifies drafts (sequence-major)."""
+        rows, start = [], 0
+        for i, n in enumerate(self.num_new):
+            if self.num_draft is not None and self.num_draft[i]:
+                rows.extend(range(start, start + n))
+            else:
+                rows.append(start + n - 1)
+            start += n
+        return rows
 
     @property
     def is_decode(self) -> bool:
@@ -89,9 +116,16 @@ class ScheduledBatch:
 
     @property
     def sample_steps(self) -> list[int]:
-        """Index among its generated tokens of the token each sequence samples in this step."""
+        """Index among its generated tokens of the token each logits row samples in this step
+        (one row per sequence, ``k + 1`` for a sequence verifying ``k`` drafts)."""
         pending = self.feed_rows is not None
-        return [s.num_generated + pending for s in self.seqs]
+        if self.num_draft is None:
+            return [s.num_generated + pending for s in self.seqs]
+        return [
+            s.num_generated + j
+            for s, k in zip(self.seqs, self.num_draft, strict=True)
+            for j in range(k + 1 if k else 1)
+        ]
 
 
 class Scheduler:
@@ -161,6 +195,7 @@ class Scheduler:
         """Pick the next step's sequences and give them the blocks their new tokens need."""
         budget = self.max_num_tokens
         picked: list[tuple[Sequence, int]] = []
+        drafts: dict[int, int] = {}  # index in picked -> draft tokens it verifies
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -176,6 +211,13 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 break  # it preempted itself: everything after it is gone too
             seq.block_ids += self.allocator.allocate(need)
+            k = self._draft_room(seq, n, budget)
+            if k:  # the drafts' blocks come only from free ones: speculation never preempts
+                drafts[len(picked)] = k
+                n += k
+                seq.block_ids += self.allocator.allocate(
+                    blocks_needed(seq.num_computed + n, self.block_size) - len(seq.block_ids)
+                )
             picked.append((seq, n))
             budget -= n
             i += 1
@@ -200,16 +242,37 @@ class Scheduler:
             picked.append((seq, n))
             budget -= n
         slices, input_ids = [], []
-        for seq, n in picked:
-            self.num_prefill_chunks += seq.num_computed + n < len(seq.tokens)
+        for j, (seq, n) in enumerate(picked):
+            k = drafts.get(j, 0)
+            self.num_prefill_chunks += seq.num_computed + n - k < len(seq.tokens)
             slices.append(SequenceSlice(seq.block_ids, seq.num_computed, n))
-            input_ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n])
+            input_ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n - k])
+            input_ids.extend([0] * k)  # the drafts, written by the speculator
         return ScheduledBatch(
             seqs=[s for s, _ in picked],
             num_new=[n for _, n in picked],
             slices=slices,
             input_ids=input_ids,
+            num_draft=[drafts.get(j, 0) for j in range(len(picked))] if drafts else None,
         )
+
+    def _draft_room(self, seq: Sequence, n: int, budget: int) -> int:
+        """Draft tokens ``seq`` verifies in this step: what it asked for (``seq.num_draft``), if it
+        is decoding, the request can still use them, and budget and free blocks allow; else 0."""
+        k = seq.num_draft
+        if not k or n != 1 or seq.num_computed + 1 != len(seq.tokens):
+            return 0
+        # the last draft's token would be generated token number num_generated + k + 1
+        k = min(
+            k,
+            budget - 1,
+            seq.params.max_new_tokens - seq.num_generated - 1,
+            self.max_model_len - len(seq.tokens) - 1,
+        )
+        if k <= 0:
+            return 0
+        more = blocks_needed(len(seq.tokens) + k, self.block_size) - len(seq.block_ids)
+        return k if self.allocator.can_allocate(more) else 0
 
     def schedule_ahead(self, running: ScheduledBatch) -> ScheduledBatch | None:
         """Schedule the decode step that follows ``running`` before its sampled tokens are known.
@@ -225,6 +288,8 @@ class Scheduler:
           on length (with every seat taken and nobody finishing, they could not join anyway);
         - the new tokens' blocks are not free without preempting (this never preempts).
         """
+        if running.is_verify:
+            return None  # how many tokens each sequence gets is known only once it is read
         if sum(s.status is SeqStatus.RUNNING for s in running.seqs) != len(self.running):
             return None
         if self.waiting and len(self.running) < self.max_num_seqs:
@@ -265,35 +330,66 @@ class Scheduler:
             feed_rows=rows,
         )
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+    def postprocess(
+        self,
+        batch: ScheduledBatch,
+        sampled: list[int],
+        accepted: list[list[int]] | None = None,
+    ) -> list[Sequence]:
         """Account for a step that ran: append sampled tokens, finish and free sequences.
 
         ``sampled[i]`` is the token drawn for ``batch.seqs[i]``; it is dropped for a sequence whose
         step was a prompt chunk that did not reach the end of its known tokens, and for one that
-        already finished (a step scheduled ahead, see :meth:`schedule_ahead`). Steps must be
-        postprocessed in the order they were scheduled. Returns the sequences that got a new token.
+        already finished (a step scheduled ahead, see :meth:`schedule_ahead`). For a step that
+        verified drafts, ``accepted[i]`` are the drafts row ``i`` accepted: they come before
+        ``sampled[i]``, the rejected drafts' KV is rolled back (the sequence's computed length
+        stops after the accepted ones, so their slots are rewritten later) and blocks past what
+        the sequence now needs are freed. Stop tokens and length limits apply token by token.
+        Steps must be postprocessed in the order they were scheduled. Returns the sequences that
+        got at least one new token.
         """
         advanced = []
-        for seq, n, token in zip(batch.seqs, batch.num_new, sampled, strict=True):
+        for i, (seq, n, token) in enumerate(zip(batch.seqs, batch.num_new, sampled, strict=True)):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # stopped in the previous step; this row was scheduled ahead of that
+            new = [token]
+            verified = batch.num_draft is not None and batch.num_draft[i] > 0
+            if verified:
+                new = [*accepted[i], token] if accepted is not None else new
+                n = len(new)  # the last known token and the accepted drafts: KV kept
             seq.num_computed += n
             if self.prefix_caching:
                 self._register_full_blocks(seq)
             if seq.num_computed < len(seq.tokens):
                 continue  # a prompt chunk: more of the prompt to go before sampling
-            seq.tokens.append(token)
             advanced.append(seq)
             reason = None
-            if token in seq.stop_ids:
-                reason = "stop"
-            elif self._reaches_length(seq, len(seq.tokens)):
-                reason = "length"
+            for token in new:
+                seq.tokens.append(token)
+                if token in seq.stop_ids:
+                    reason = "stop"
+                elif self._reaches_length(seq, len(seq.tokens)):
+                    reason = "length"
+                if reason is not None:
+                    break
             if reason is not None:
-                seq.finish_reason, seq.status = reason, SeqStatus.FINISHED
-                self.running.remove(seq)
-                self._drop_blocks(seq)
+                self.finish(seq, reason)
+            elif verified:
+                self._trim_blocks(seq)
         return advanced
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence now (``finish_reason = reason``) and free its blocks."""
+        seq.finish_reason, seq.status = reason, SeqStatus.FINISHED
+        self.running.remove(seq)
+        self._drop_blocks(seq)
+
+    def _trim_blocks(self, seq: Sequence) -> None:
+        """Free the blocks a verify step reserved past what the sequence's tokens need."""
+        keep = blocks_needed(len(seq.tokens), self.block_size)
+        if len(seq.block_ids) > keep:
+            self.allocator.free(seq.block_ids[keep:])
+            del seq.block_ids[keep:]
 
     # ---- helpers ----
 
@@ -314,6 +410,8 @@ class Scheduler:
         # Registered blocks keep their hashes on the free list: a later lookup can revive them.
         self.allocator.free(seq.block_ids)
         seq.block_ids, seq.block_hashes, seq.num_computed = [], [], 0
+        if seq.spec is not None:
+            seq.spec.blocks_dropped()  # a draft model's KV in those blocks is gone too
 
     def _block_hash(self, seq: Sequence, j: int) -> int:
         prev = seq.block_hashes[j - 1] if j else None

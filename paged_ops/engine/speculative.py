@@ -1,0 +1,211 @@
+"""Speculative decoding: cheap drafts of the next tokens, verified by the target model in one step.
+
+A sequence that speculates runs a **verify step**: its last known token followed by ``k`` draft
+tokens, ``k + 1`` query tokens through the same paged-attention ops as any step, with logits at
+every one of them. Row ``j``'s logits are the target's distribution for the token after draft
+``j``, so one forward checks all drafts at once:
+
+- **greedy**: draft ``j + 1`` is accepted while it equals the target's argmax at row ``j``; the
+  first mismatch is replaced by that argmax, and when every draft is accepted row ``k``'s argmax
+  is a bonus token. The output is the non-speculative greedy output, token for token.
+- **sampling**: standard rejection sampling (Leviathan et al. 2023, Chen et al. 2023): draft ``d``
+  drawn from ``q`` is accepted with probability ``min(1, p(d) / q(d))``; at the first rejection a
+  token is drawn from ``max(p - q, 0)`` renormalised; after ``k`` acceptances a bonus token from
+  ``p``. The output distribution is exactly the target's ``p`` (temperature, top-k and top-p
+  applied). An n-gram draft is a point mass (``q(d) = 1``). The noise is counter based like the
+  sampler's (:mod:`paged_ops.engine.sampler`): a seeded request gives the same tokens every run.
+
+The KV of rejected drafts is rolled back by the scheduler: the sequence's computed length stops
+after the accepted tokens (their slots are rewritten by later steps) and blocks past what the
+sequence needs are freed (:meth:`~paged_ops.engine.scheduler.Scheduler.postprocess`). Prefix-cache
+blocks are registered from computed (accepted) tokens only.
+
+Drafts come from :class:`NgramProposer` (prompt lookup: the most recent earlier occurrence of the
+sequence's last ``n`` tokens, ``ngram_max >= n >= ngram_min``, proposes what followed it) or from a
+small draft model (:mod:`paged_ops.engine.draft`). A request whose drafts keep being rejected stops
+speculating for a while (an exponential moving average of accepted drafts per verify below
+``min_mean_accepted`` backs it off for 16, 32, ... 256 generated tokens, then it probes again), so
+text the drafter cannot predict runs at the speed of plain decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from paged_ops.engine.params import as_float, as_int
+
+METHODS = ("ngram", "draft")
+_EMA = 0.5  # weight of the newest verify in a request's mean accepted drafts
+_BACKOFF_MIN, _BACKOFF_MAX = 16, 256  # generated tokens a request waits before probing again
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How ``LLM(..., speculative=...)`` drafts tokens for the target to verify.
+
+    Args:
+        method: ``"ngram"`` (prompt lookup in the sequence's own tokens, no second model) or
+            ``"draft"`` (a small causal LM with the target's vocabulary, ``draft_model``).
+        num_tokens: draft tokens per verify step (``k``; each verify step feeds ``k + 1`` tokens).
+        draft_model: for ``"draft"``: a transformers causal LM with the same vocabulary, on the
+            target's device. ``LLM`` patches it onto its own paged cache (same block ids as the
+            target's, so the same block tables serve both) and compiles / graph-captures it as it
+            does the target.
+        ngram_min, ngram_max: for ``"ngram"``: the longest suffix of ``ngram_max`` tokens is
+            looked up first, down to ``ngram_min``.
+        disable_by_batch_size: no speculation in a step with more running sequences than this
+            (large batches are compute bound: verifying ``k + 1`` tokens per sequence costs about
+            ``k + 1`` decode steps there).
+        min_mean_accepted: a request whose moving average of accepted drafts per verify step
+            falls below this stops speculating for a while (16 to 256 generated tokens).
+
+    Requests with repetition/presence/frequency penalties do not speculate (their penalties
+    depend on every token before the one sampled).
+
+    Example:
+        >>> LLM(model, tok, speculative=SpeculativeConfig(method="ngram", num_tokens=4))
+    """
+
+    method: str = "ngram"
+    num_tokens: int = 4
+    draft_model: nn.Module | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+    disable_by_batch_size: int = 32
+    min_mean_accepted: float = 0.5
+
+    def __post_init__(self) -> None:
+        fix = object.__setattr__
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        fix(self, "num_tokens", as_int("num_tokens", self.num_tokens, 1))
+        fix(self, "ngram_min", as_int("ngram_min", self.ngram_min, 1))
+        fix(self, "ngram_max", as_int("ngram_max", self.ngram_max, 1))
+        fix(
+            self,
+            "disable_by_batch_size",
+            as_int("disable_by_batch_size", self.disable_by_batch_size, 1),
+        )
+        fix(self, "min_mean_accepted", as_float("min_mean_accepted", self.min_mean_accepted))
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})"
+            )
+        if self.min_mean_accepted < 0:
+            raise ValueError(f"min_mean_accepted must be >= 0, got {self.min_mean_accepted}")
+        if self.method == "draft":
+            if not isinstance(self.draft_model, nn.Module) or not hasattr(
+                self.draft_model, "config"
+            ):
+                raise TypeError(
+                    "method='draft' needs draft_model, a transformers causal LM, got "
+                    f"{type(self.draft_model).__name__}"
+                )
+        elif self.draft_model is not None:
+            raise ValueError("draft_model is only used with method='draft'")
+
+
+class NgramProposer:
+    """Prompt-lookup drafts from one sequence's own tokens, with an incremental index.
+
+    For each ``n`` in ``[n_min, n_max]`` a dict maps every ``n``-gram of the sequence to the end
+    position of its latest occurrence that has a following token; indexing a new token costs
+    ``n_max - n_min + 1`` dict writes, a proposal as many look-ups.
+    """
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.maps: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(n_max, n_min - 1, -1)
+        }
+        self.indexed = 0  # n-grams ending before this position are in the maps
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix
+        of ``tokens`` found; ``[]`` when none is found."""
+        last = len(tokens) - 1
+        for p in range(self.indexed, last):  # n-grams ending at p: p + 1 exists
+            for n, positions in self.maps.items():
+                if p + 1 >= n:
+                    positions[tuple(tokens[p + 1 - n : p + 1])] = p
+        self.indexed = max(self.indexed, last)
+        for n, positions in self.maps.items():
+            if len(tokens) >= n:
+                p = positions.get(tuple(tokens[len(tokens) - n :]))
+                if p is not None:
+                    return tokens[p + 1 : p + 1 + k]
+        return []
+
+
+@dataclass
+class SpecState:
+    """One request's speculation bookkeeping (``Sequence.spec``)."""
+
+    proposer: NgramProposer | None = None
+    drafts: list[int] = field(default_factory=list)  # the real drafts of the next verify step
+    mean_accepted: float | None = None  # moving average of accepted drafts per verify
+    off_until: int = 0  # no speculation before this many generated tokens
+    backoff: int = _BACKOFF_MIN
+    draft_computed: int = 0  # a draft model's cache holds K/V of tokens before this position
+
+    def blocks_dropped(self) -> None:
+        """The sequence lost its blocks (preempted or finished): a draft model's KV is gone."""
+        self.draft_computed = 0
+        self.drafts = []
+
+    def observe(self, num_generated: int, accepted: int, threshold: float) -> None:
+        """Update the moving average after a verify; back off when it falls below
+        ``threshold``, doubling the pause each time (reset when a probe goes well)."""
+        avg = accepted if self.mean_accepted is None else self.mean_accepted
+        self.mean_accepted = (1 - _EMA) * avg + _EMA * accepted
+        if self.mean_accepted < threshold:
+            self.off_until = num_generated + self.backoff
+            self.backoff = min(2 * self.backoff, _BACKOFF_MAX)
+            self.mean_accepted = None  # the next probe starts afresh
+        elif accepted >= threshold:
+            self.backoff = _BACKOFF_MIN
+
+
+def accept_drafts(
+    drafts: list[int], target: list[int], residual: list[int], accepted: list[bool]
+) -> tuple[list[int], int]:
+    """The tokens a verify step appends for one sequence.
+
+    Args:
+        drafts: the real draft tokens (``r <= k``; rows past ``r`` verified padding).
+        target: per verify row ``j`` (``k + 1`` rows), the target's token at that row: its
+            argmax (greedy) or a sample from its distribution ``p_j``.
+        residual: per row, the token to take when row ``j``'s draft is rejected (greedy: the
+            argmax; sampling: a sample from ``max(p_j - q_j, 0)``).
+        accepted: per row, whether its draft is accepted (``drafts[j] == argmax`` for greedy).
+    Returns:
+        ``(accepted drafts, next token)``.
+    """
+    m = 0
+    while m < len(drafts) and accepted[m]:
+        m += 1
+    return drafts[:m], (residual[m] if m < len(drafts) else target[m])
+
+
+@dataclass
+class SpecMetrics:
+    """Counters of speculative decoding (also summed into ``GenerationMetrics``)."""
+
+    num_verify_rows: int = 0  # sequence-steps that verified drafts
+    num_draft_tokens: int = 0  # real drafts verified
+    num_accepted_tokens: int = 0
+
+
+def spec_eligible(seq: Any) -> bool:
+    """Whether a request may speculate at all (penalties depend on every earlier token)."""
+    p = seq.params
+    return not any(
+        getattr(p, name, default) != default
+        for name, default in (
+            ("repetition_penalty", 1.0),
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+        )
+    )

@@ -1,0 +1,209 @@
+"""The LLM's side of speculative decoding: which requests draft, the drafts, and their verdicts.
+
+Per step (no overlap while any request speculates: how many tokens a verify step gives each
+sequence is known only once its result is read):
+
+1. :meth:`Speculator.plan` sets ``Sequence.num_draft`` for the running requests that may speculate
+   (decoding, not backed off, no penalties, the step at most ``disable_by_batch_size`` sequences).
+   With n-grams, every candidate looks its drafts up now; when nobody finds one, nobody speculates
+   (and they pause for a few tokens); otherwise every candidate verifies ``k`` rows, those with
+   fewer real drafts padded (their padding is never accepted), so the step's shape stays one of
+   the target-verify CUDA graphs.
+2. The scheduler gives the verifying sequences ``k + 1`` new tokens (blocks permitting).
+3. :meth:`Speculator.fill` writes the drafts into the step's input ids (a draft model proposes them
+   here) and returns what :func:`~paged_ops.engine.rejection.verify` needs per logits row.
+4. :meth:`Speculator.resolve` turns the verify step's ``[3, R]`` result into the accepted drafts
+   and the next token of each sequence, and keeps the counters and each request's back-off.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from paged_ops.engine.draft import DraftModel
+from paged_ops.engine.sampler import SamplingBatch
+from paged_ops.engine.scheduler import ScheduledBatch
+from paged_ops.engine.scheduler import Sequence as Seq
+from paged_ops.engine.speculative import (
+    NgramProposer,
+    SpecMetrics,
+    SpecState,
+    SpeculativeConfig,
+    accept_drafts,
+    spec_eligible,
+)
+
+_NO_MATCH_PAUSE = 8  # generated tokens before an n-gram lookup that found nothing is tried again
+
+
+class Speculator:
+    """Drafting and verification bookkeeping for one LLM.
+
+    Args:
+        config: the speculative decoding settings.
+        draft: the patched draft model (``method="draft"``), else ``None``.
+    """
+
+    def __init__(self, config: SpeculativeConfig, draft: DraftModel | None) -> None:
+        self.config, self.draft, self.k = config, draft, config.num_tokens
+        self.metrics = SpecMetrics()
+        self._real: dict[int, list[int]] = {}  # row of the step being verified -> its real drafts
+
+    def _state(self, seq: Seq) -> SpecState:
+        if seq.spec is None:
+            cfg = self.config
+            proposer = (
+                NgramProposer(cfg.ngram_min, cfg.ngram_max) if cfg.method == "ngram" else None
+            )
+            seq.spec = SpecState(proposer=proposer)
+        return seq.spec
+
+    def plan(self, running: list[Seq]) -> bool:
+        """Set ``num_draft`` of every running sequence for the next step; whether any drafts."""
+        for seq in running:
+            seq.num_draft = 0
+        if len(running) > self.config.disable_by_batch_size:
+            return False
+        candidates = [
+            seq
+            for seq in running
+            if seq.num_computed + 1 == len(seq.tokens)
+            and seq.num_generated >= self._state(seq).off_until
+            and spec_eligible(seq)
+        ]
+        if not candidates:
+            return False
+        if self.config.method == "ngram":
+            for seq in candidates:
+                seq.spec.drafts = seq.spec.proposer.propose(seq.tokens, self.k)
+            if not any(seq.spec.drafts for seq in candidates):
+                for seq in candidates:
+                    seq.spec.off_until = seq.num_generated + _NO_MATCH_PAUSE
+                return False
+        for seq in candidates:
+            seq.num_draft = self.k
+        return True
+
+    def may_draft(self, running: list[Seq]) -> bool:
+        """Whether the next step could verify drafts (then no step is scheduled ahead)."""
+        if len(running) > self.config.disable_by_batch_size:
+            return False
+        return any(
+            (seq.spec is None or seq.num_generated + 1 >= seq.spec.off_until) and spec_eligible(seq)
+            for seq in running
+        )
+
+    def fill(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
+        """Write the drafts of ``batch``'s verifying rows into ``batch.input_ids``.
+
+        Returns:
+            per logits row (``batch.logit_rows``), the draft token that follows it (``-1``: none
+            or padding), and the draft distributions per row ``[R, V]`` float32 (a draft model
+            that samples; ``None`` for point-mass or greedy drafts).
+        """
+        assert batch.num_draft is not None
+        starts = list(itertools.accumulate(batch.num_new, initial=0))
+        verifying = [i for i, k in enumerate(batch.num_draft) if k]
+        self._real = {}
+        probs_of: dict[int, torch.Tensor] = {}  # row -> [k, V]
+        if self.draft is None:
+            for i in verifying:
+                self._real[i] = batch.seqs[i].spec.drafts[: batch.num_draft[i]]
+        else:
+            by_k: dict[int, list[int]] = {}
+            for i in verifying:
+                by_k.setdefault(batch.num_draft[i], []).append(i)
+            for k, rows in by_k.items():  # one proposal loop per draft length (usually one)
+                seqs = [batch.seqs[i] for i in rows]
+                settings = _settings(seqs, [s.num_generated for s in seqs])
+                drafts, probs = self.draft.propose(seqs, k, settings)  # [S, k], [S, k, V]
+                for r, i in enumerate(rows):
+                    if probs is not None:
+                        probs_of[i] = probs[r]
+                for i, ids in zip(rows, drafts.tolist(), strict=True):
+                    self._real[i] = ids
+        draft_ids: list[int] = []
+        for i, n in enumerate(batch.num_new):
+            k = batch.num_draft[i]
+            if not k:
+                draft_ids.append(-1)
+                continue
+            real = self._real[i]
+            seq = batch.seqs[i]
+            padded = real + [seq.tokens[-1]] * (k - len(real))
+            batch.input_ids[starts[i] + 1 : starts[i] + n] = padded
+            draft_ids.extend(real + [-1] * (k + 1 - len(real)))
+        if not probs_of:
+            return draft_ids, None
+        first = next(iter(probs_of.values()))
+        probs = first.new_zeros(len(draft_ids), first.shape[-1])  # [R, V]
+        row = 0
+        for i, k in enumerate(batch.num_draft):
+            if i in probs_of:
+                probs[row : row + k] = probs_of[i]
+            row += k + 1 if k else 1
+        return draft_ids, probs
+
+    def resolve(
+        self, batch: ScheduledBatch, result: list[list[int]]
+    ) -> tuple[list[int], list[list[int]]]:
+        """Per sequence of a verify step: the next token and the accepted drafts before it.
+
+        Args:
+            result: the host copy of :func:`~paged_ops.engine.rejection.verify`'s ``[3, R]``.
+        """
+        assert batch.num_draft is not None
+        target, residual, accept = result
+        sampled: list[int] = []
+        accepted: list[list[int]] = []
+        row = 0
+        m = self.metrics
+        for i, seq in enumerate(batch.seqs):
+            k = batch.num_draft[i]
+            if not k:
+                sampled.append(target[row])
+                accepted.append([])
+                row += 1
+                continue
+            real = self._real[i]
+            span = slice(row, row + k + 1)
+            kept, token = accept_drafts(real, target[span], residual[span], accept[span])
+            row += k + 1
+            sampled.append(token)
+            accepted.append(kept)
+            if real:
+                m.num_verify_rows += 1
+                m.num_draft_tokens += len(real)
+                m.num_accepted_tokens += len(kept)
+                seq.spec.observe(seq.num_generated, len(kept), self.config.min_mean_accepted)
+        return sampled, accepted
+
+    @staticmethod
+    def rolled_back(batch: ScheduledBatch) -> None:
+        """After postprocess: a draft model's KV counts only up to the target's computed tokens."""
+        for seq in batch.seqs:
+            if seq.spec is not None:
+                seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed)
+
+    def close(self) -> None:
+        if self.draft is not None:
+            self.draft.close()
+
+
+def _settings(seqs: list[Seq], steps: list[int]) -> SamplingBatch:
+    return SamplingBatch(
+        temperatures=[s.params.temperature for s in seqs],
+        top_ks=[s.params.top_k for s in seqs],
+        top_ps=[s.params.top_p for s in seqs],
+        seeds=[s.seed for s in seqs],
+        steps=steps,
+    )
+
+
+def row_settings(batch: ScheduledBatch) -> SamplingBatch:
+    """Sampling settings per logits row of ``batch`` (``k + 1`` rows for a verifying sequence)."""
+    counts = [k + 1 if k else 1 for k in (batch.num_draft or [0] * len(batch.seqs))]
+    seqs = [s for s, c in zip(batch.seqs, counts, strict=True) for _ in range(c)]
+    return _settings(seqs, batch.sample_steps)

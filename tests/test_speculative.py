@@ -1,0 +1,294 @@
+"""Speculative decoding in LLM (CPU, reference backend): n-gram and draft-model drafts, greedy
+equality with plain decoding, rejection sampling's distribution, rollback under KV pressure and
+prefix caching, back-off, metrics and argument checks."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from paged_ops import LLM, SamplingParams, SpeculativeConfig
+from paged_ops.engine.rejection import verify
+from paged_ops.engine.sampler import SamplingBatch
+from paged_ops.engine.speculative import NgramProposer, accept_drafts
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = VOCAB) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def prompts_of(lengths: list[int], seed: int = 1, vocab: int = VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+    return [p + p[: len(p) // 2] for p in out]  # repeated text: n-gram drafts find matches
+
+
+OPTS = dict(backend="reference", compile=False, block_size=4, max_num_seqs=8, max_model_len=160)
+
+
+@pytest.fixture(scope="module")
+def target() -> torch.nn.Module:
+    return tiny_llama()
+
+
+def run(model, prompts, params, spec=None, **kwargs) -> tuple[list[list[int]], LLM]:
+    opts = dict(OPTS, num_blocks=256)
+    opts.update(kwargs)
+    llm = LLM(copy.deepcopy(model), speculative=spec, **opts)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.pa.allocator.num_free == llm.pa.allocator.num_blocks  # every block came back
+    return [o.token_ids for o in outs], llm
+
+
+def specs(model: torch.nn.Module) -> dict[str, SpeculativeConfig]:
+    return {
+        "ngram": SpeculativeConfig("ngram", num_tokens=4),
+        "draft=target": SpeculativeConfig("draft", num_tokens=3, draft_model=copy.deepcopy(model)),
+        "unrelated draft": SpeculativeConfig(
+            "draft", num_tokens=4, draft_model=tiny_llama(seed=7, layers=1)
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft=target", "unrelated draft"])
+def test_greedy_output_is_the_plain_output_token_for_token(target, name):
+    prompts = prompts_of([3, 9, 20, 31, 6])
+    params = SamplingParams(max_new_tokens=40)
+    want, _ = run(target, prompts, params, max_num_tokens=32)  # chunked prefill beside verifies
+    got, llm = run(target, prompts, params, specs(target)[name], max_num_tokens=32)
+    assert got == want
+    m = llm.last_metrics
+    assert m.num_generated_tokens == sum(map(len, want))
+    assert m.num_draft_tokens > 0 and m.num_verify_rows > 0
+    if name == "draft=target":
+        assert m.num_accepted_tokens == m.num_draft_tokens  # the upper bound: all accepted
+        assert m.mean_accepted_length > 3.5  # k = 3: up to 4 tokens per verify
+    if name == "ngram":
+        assert m.num_accepted_tokens > 0
+        assert m.num_steps < len(want[0]) + 8  # fewer steps than tokens of the longest request
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft=target", "unrelated draft"])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_kv_pressure_preempts_rolls_back_and_loses_nothing(target, name, prefix_caching):
+    # 40 blocks of 4 tokens: 5 requests of up to 60 tokens each do not fit at once
+    prompts = prompts_of([6, 14, 22, 9, 17], seed=3)
+    prompts += [prompts[2][:16] + [5, 6]]  # a shared prefix for the prefix cache
+    params = SamplingParams(max_new_tokens=30)
+    want, _ = run(target, prompts, params)
+    got, llm = run(
+        target, prompts, params, specs(target)[name], num_blocks=40, prefix_caching=prefix_caching
+    )
+    assert got == want
+    assert llm.last_metrics.num_preemptions > 0
+    assert llm.last_metrics.num_draft_tokens > 0
+    if prefix_caching:
+        assert llm.last_metrics.num_cached_tokens > 0
+
+
+def test_seeded_sampling_is_reproducible_and_stops_on_stop_tokens(target):
+    prompts = prompts_of([5, 12, 8])
+    spec = SpeculativeConfig("ngram", num_tokens=3)
+    params = [
+        SamplingParams(max_new_tokens=30, temperature=0.7, top_k=20, seed=11),
+        SamplingParams(max_new_tokens=30, temperature=1.0, top_p=0.9, seed=12),
+        SamplingParams(max_new_tokens=30),  # greedy beside sampled rows
+    ]
+    first, llm = run(target, prompts, params, spec)
+    again, _ = run(target, prompts, params, spec)
+    assert first == again
+    assert llm.last_metrics.num_draft_tokens > 0
+    plain, _ = run(target, prompts, params)
+    assert first[2] == plain[2]
+    stop = first[0][10]  # a token the seeded request generates: it must end right there
+    stopped, _ = run(
+        target,
+        prompts[:1],
+        [SamplingParams(**{**_fields(params[0]), "stop_token_ids": [stop]})],
+        spec,
+    )
+    assert stopped[0] == first[0][: first[0].index(stop) + 1]
+
+
+def _fields(p: SamplingParams) -> dict:
+    return dict(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_k=p.top_k,
+                top_p=p.top_p, seed=p.seed)  # fmt: skip
+
+
+def _chi_square_p_value(a: list[int], b: list[int]) -> float:
+    """Two-sample chi-square test of equal distributions over the values seen."""
+    values = sorted(set(a) | set(b))
+    stat, df = 0.0, len(values) - 1
+    for v in values:
+        ca, cb = a.count(v), b.count(v)
+        expected_a = (ca + cb) * len(a) / (len(a) + len(b))
+        expected_b = (ca + cb) * len(b) / (len(a) + len(b))
+        stat += (ca - expected_a) ** 2 / expected_a + (cb - expected_b) ** 2 / expected_b
+    # Wilson-Hilferty: chi-square(df) tail through the normal distribution
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_rejection_sampling_keeps_the_target_distribution_end_to_end():
+    """A tiny vocabulary, 300 fixed seeds: the tokens at positions 2..5 of sampled requests have
+    the same distribution with n-gram speculation (drafts get rejected and resampled) and with a
+    self-drafting draft model of different weights as without."""
+    vocab = 8
+    model = tiny_llama(seed=2, vocab=vocab)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    seeds = range(300)
+    params = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=s) for s in seeds]
+    prompts = [prompt] * len(params)
+    plain, _ = run(model, prompts, params, max_num_seqs=64)
+    spec_ngram = SpeculativeConfig("ngram", num_tokens=3, disable_by_batch_size=64)
+    ngram, llm = run(model, prompts, params, spec_ngram, max_num_seqs=64)
+    m = llm.last_metrics
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens  # both outcomes exercised
+    draft_model = tiny_llama(seed=9, layers=1, vocab=vocab)
+    spec_draft = SpeculativeConfig(
+        "draft", num_tokens=3, draft_model=draft_model, disable_by_batch_size=64
+    )
+    drafted, llm = run(model, prompts, params, spec_draft, max_num_seqs=64)
+    m = llm.last_metrics
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens
+    for pos in range(1, 6):
+        want = [o[pos] for o in plain]
+        for got in (ngram, drafted):
+            assert _chi_square_p_value(want, [o[pos] for o in got]) > 1e-3, pos
+
+
+@pytest.mark.parametrize("point_mass", [True, False])
+def test_verify_rows_sample_exactly_the_target_distribution(point_mass):
+    """One draft per request: the first emitted token (accepted draft or resample) follows the
+    target's p, over 20,000 seeds (one-sample chi-square, 5 degrees of freedom)."""
+    v, n = 6, 20000
+    torch.manual_seed(0)
+    logits = torch.randn(1, v) * 1.5
+    p = logits[0].softmax(-1)
+    q = torch.randn(v).softmax(-1)
+    g = torch.Generator().manual_seed(3)
+    drafts = [2] * n if point_mass else torch.multinomial(q, n, True, generator=g).tolist()
+    rows = SamplingBatch(
+        temperatures=[1.0] * 2 * n,
+        top_ks=[0] * 2 * n,
+        top_ps=[1.0] * 2 * n,
+        seeds=[s for s in range(n) for _ in range(2)],
+        steps=[j for _ in range(n) for j in range(2)],
+    )
+    all_logits = logits.repeat(2 * n, 1)
+    probs = None if point_mass else torch.stack([q, torch.zeros(v)]).repeat(n, 1)
+    draft_ids = [x for d in drafts for x in (d, -1)]
+    out = verify(all_logits, rows, all_logits.argmax(-1), draft_ids, probs).tolist()
+    counts = torch.zeros(v)
+    for i, d in enumerate(drafts):
+        span = slice(2 * i, 2 * i + 2)
+        kept, token = accept_drafts([d], out[0][span], out[1][span], out[2][span])
+        counts[kept[0] if kept else token] += 1
+    chi2 = ((counts - n * p) ** 2 / (n * p)).sum().item()
+    assert chi2 < 20.5  # p = 0.001 at 5 degrees of freedom
+
+
+def test_ngram_proposer_finds_the_latest_longest_match():
+    prop = NgramProposer(1, 3)
+    tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
+    # suffix (2, 6, 7) never seen before; (6, 7) last seen at 5..6, followed by 9, 2, 6
+    assert prop.propose(tokens, 3) == [9, 2, 6]
+    tokens += [9]
+    assert prop.propose(tokens, 2) == [2, 6]  # (6, 7, 9) seen at 5..7
+    assert prop.propose([1, 2, 3], 4) == []  # no earlier occurrence
+    assert NgramProposer(2, 2).propose([4, 4, 4], 5) == [4]  # (4, 4) ended at 1: one follows
+
+
+def test_low_acceptance_backs_off_to_plain_decoding(target):
+    prompts = prompts_of([5, 8])
+    spec = SpeculativeConfig(
+        "draft", num_tokens=4, draft_model=tiny_llama(seed=5, layers=1), min_mean_accepted=3.5
+    )
+    params = SamplingParams(max_new_tokens=120)
+    got, llm = run(target, prompts, params, spec)
+    want, _ = run(target, prompts, params)
+    assert got == want
+    m = llm.last_metrics
+    # probes after 16, 32, 64 tokens... instead of a verify every step
+    assert 0 < m.num_verify_rows < 20
+    assert m.num_steps > 100
+
+
+def test_stream_yields_every_token_of_a_verify_step(target):
+    prompt = prompts_of([12])[0]
+    params = SamplingParams(max_new_tokens=30)
+    spec = SpeculativeConfig("ngram", num_tokens=4)
+    want, _ = run(target, [prompt], params)
+    llm = LLM(copy.deepcopy(target), speculative=spec, **dict(OPTS, num_blocks=256))
+    chunks = list(llm.stream(prompt, params))
+    assert [c.token_id for c in chunks] == want[0]
+    assert [c.finish_reason for c in chunks] == [None] * 29 + ["length"]
+    assert llm.last_metrics.num_accepted_tokens > 0
+
+
+def test_close_unpatches_the_draft_model(target):
+    from paged_ops.integrations.transformers import paged_attention_of
+
+    draft = tiny_llama(seed=4, layers=1)
+    llm = LLM(
+        copy.deepcopy(target),
+        speculative=SpeculativeConfig("draft", draft_model=draft),
+        **dict(OPTS, num_blocks=64),
+    )
+    assert paged_attention_of(draft) is llm.spec.draft.pa
+    assert llm.spec.draft.pa.kv_cache.num_blocks == llm.pa.kv_cache.num_blocks
+    llm.close()
+    assert paged_attention_of(draft) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(method="medusa"), ValueError, "method"),
+        (dict(num_tokens=0), ValueError, "num_tokens"),
+        (dict(num_tokens=2.0), TypeError, "num_tokens"),
+        (dict(ngram_min=3, ngram_max=2), ValueError, "ngram_min"),
+        (dict(method="draft"), TypeError, "draft_model"),
+        (dict(method="draft", draft_model="llama"), TypeError, "draft_model"),
+        (dict(draft_model=torch.nn.Linear(2, 2)), ValueError, "draft_model"),
+        (dict(min_mean_accepted=-1.0), ValueError, "min_mean_accepted"),
+        (dict(disable_by_batch_size=0), ValueError, "disable_by_batch_size"),
+    ],
+)
+def test_bad_configs_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SpeculativeConfig(**kwargs)
+
+
+def test_draft_models_that_cannot_serve_are_refused_before_patching(target):
+    from paged_ops.integrations.transformers import paged_attention_of
+
+    model = copy.deepcopy(target)
+    other_vocab = tiny_llama(vocab=64, layers=1)
+    with pytest.raises(ValueError, match="vocabulary of 64"):
+        LLM(model, speculative=SpeculativeConfig("draft", draft_model=other_vocab), **OPTS)
+    with pytest.raises(ValueError, match="target model itself"):
+        LLM(model, speculative=SpeculativeConfig("draft", draft_model=model), **OPTS)
+    with pytest.raises(TypeError, match="SpeculativeConfig"):
+        LLM(model, speculative={"method": "ngram"}, **OPTS)
+    assert paged_attention_of(model) is None and paged_attention_of(other_vocab) is None
