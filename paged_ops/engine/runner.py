@@ -131,6 +131,7 @@ class ModelRunner:
         self._verify_graphs: dict[
             int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]
         ] = {}
+        self.num_verify_replays = 0  # verify steps served by a verify graph
         self.warmup_breakdown: dict[str, Any] = {}  # filled by warm_up
 
     def _count_fused(self, removed: int) -> None:
@@ -247,6 +248,7 @@ class ModelRunner:
             self._set_inputs(batch, None, bucket * (k + 1), bucket)
             graph, (logits, greedy) = self._verify_graphs[bucket]
             graph.replay()
+            self.num_verify_replays += 1
             rows = num_seqs * (k + 1)
             return logits[:rows], greedy[:rows]
         rows = batch.logit_rows
