@@ -10,6 +10,14 @@ The Llama-3.2-1B shape of ``bench_generate.py`` (random bf16 weights) at batch 1
   which shows what drafting k tokens and verifying them costs;
 - ``draft-2layer``: a 2-layer draft of the same shape with its own random weights (nothing is
   accepted): what a useless draft costs once the engine backs off.
+- ``plain-copy`` / ``ngram-copy``: a random model cannot continue text it has seen, so n-gram
+  drafts from the prompt are rejected (``ngram`` above measures that case). For n-gram speed at a
+  known acceptance, these run a *copy target*: the same shape and kernels with every attention
+  output projection zeroed, so that the next token is a fixed function ``f`` of the current one
+  (tabulated once with the HF model), and prompts that hold the orbit ``x, f(x), f(f(x)), ...``
+  twice: ``--copy-span`` tokens of it (a fraction ``--copy-corrupt`` of them replaced by random
+  tokens), then its first 16 tokens again. The continuation walks the orbit from there, which the
+  first copy holds: each draft token is right unless it was corrupted.
 
 ``--systems`` picks among them; ``--tiny`` runs a tiny model on the CPU (reference backend).
 
@@ -47,7 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat-len", type=int, default=32, help="length of the repeated stretch")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--num-tokens", type=int, default=4, help="drafts per verify step (k)")
-    p.add_argument("--systems", default="plain,ngram,draft=target,draft-2layer")
+    p.add_argument(
+        "--systems", default="plain,ngram,draft=target,draft-2layer,plain-copy,ngram-copy"
+    )
+    p.add_argument("--copy-corrupt", type=float, default=0.05,
+                   help="copy target: fraction of the prompt's first orbit copy replaced")  # fmt: skip
     p.add_argument("--backend", default="triton")
     p.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     p.add_argument("--out", default=None)
@@ -65,10 +77,50 @@ def repeated_prompts(
     return out
 
 
+def copy_target(cfg):
+    """The benchmark model with zero attention output: next token = f(current token)."""
+    model = bg.build_model(cfg, bg.DEVICE)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return model
+
+
+@torch.no_grad()
+def next_token_table(model, vocab: int, chunk: int = 4096) -> list[int]:
+    """``f(t)`` for every token ``t`` of a copy target (one position suffices: nothing mixes)."""
+    table = []
+    for start in range(0, vocab, chunk):
+        ids = torch.arange(start, min(vocab, start + chunk), device=bg.DEVICE)[None]
+        table += model(input_ids=ids, use_cache=False).logits[0].argmax(-1).tolist()
+    return table
+
+
+def orbit_prompts(
+    n: int, f: list[int], span: int, corrupt: float, variant: int, restart: int = 16
+) -> list[list[int]]:
+    """Prompts of a copy target: ``span`` orbit tokens (a ``corrupt`` fraction replaced), then
+    the orbit's first ``restart`` tokens again."""
+    g = torch.Generator().manual_seed(7000 + 100 * variant + n)
+    out = []
+    for _ in range(n):
+        x = int(torch.randint(1, len(f), (1,), generator=g))
+        orbit = [x]
+        while len(orbit) < span:
+            orbit.append(f[orbit[-1]])
+        first = list(orbit)
+        flips = torch.rand(span, generator=g) < corrupt
+        for i in flips.nonzero().flatten().tolist():
+            if i >= restart:  # the restart's own tokens stay, so the suffix lookup finds them
+                first[i] = int(torch.randint(1, len(f), (1,), generator=g))
+        out.append(first + orbit[:restart])
+    return out
+
+
 def speculative_config(name: str, target, cfg, k: int) -> SpeculativeConfig | None:
-    if name == "plain":
+    if name in ("plain", "plain-copy"):
         return None
-    if name == "ngram":
+    if name in ("ngram", "ngram-copy"):
         return SpeculativeConfig("ngram", num_tokens=k)
     if name == "draft=target":
         return SpeculativeConfig("draft", num_tokens=k, draft_model=copy.deepcopy(target))
@@ -98,16 +150,29 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = bg.llama_1b_config(num_layers=2 if args.tiny else 16, tiny=args.tiny)
     target = bg.build_model(cfg, bg.DEVICE)
     on_cuda = bg.DEVICE.type == "cuda"
-    max_len = args.prompt_len + args.new_tokens + args.num_tokens + 16
+    copy_span = args.new_tokens + 64
+    max_len = max(args.prompt_len, copy_span + 16) + args.new_tokens + args.num_tokens + 16
+    names = args.systems.split(",")
+    copy_model, table = None, None
+    if any(n.endswith("-copy") for n in names):
+        copy_model = copy_target(cfg)
+        table = next_token_table(copy_model, cfg.vocab_size)
+
+    def workload(name: str, b: int, variant: int) -> list[list[int]]:
+        if name.endswith("-copy"):
+            return orbit_prompts(b, table, copy_span, args.copy_corrupt, variant)
+        return repeated_prompts(b, args.prompt_len, args.repeat_len, cfg.vocab_size, variant)
+
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     warm = SamplingParams(max_new_tokens=16, ignore_eos=True)
     results: dict[str, list[dict]] = {}
-    plain_ids: dict[int, list[list[int]]] = {}
-    for name in args.systems.split(","):
+    plain_ids: dict[tuple[str, int], list[list[int]]] = {}
+    for name in names:
         spec = speculative_config(name, target, cfg, args.num_tokens)
+        model = copy_model if name.endswith("-copy") else target
         t0 = time.perf_counter()
         llm = LLM(
-            copy.deepcopy(target),
+            copy.deepcopy(model),
             backend=args.backend if on_cuda else "reference",
             max_num_seqs=max(batches),
             max_model_len=max_len,
@@ -119,9 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name}: ready in {setup:.1f} s", flush=True)
         rows = []
         for b in batches:
-            llm.generate(repeated_prompts(b, args.prompt_len, args.repeat_len, cfg.vocab_size, 1),
-                         warm, use_tqdm=False)  # fmt: skip
-            ps = repeated_prompts(b, args.prompt_len, args.repeat_len, cfg.vocab_size, 2)
+            llm.generate(workload(name, b, 1), warm, use_tqdm=False)
+            ps = workload(name, b, 2)
             best, outs = None, None
             for _ in range(2):  # the faster of two calls: a late kernel variant compiles once
                 bg.sync()
@@ -139,12 +203,13 @@ def main(argv: list[str] | None = None) -> dict:
                        acceptance_rate=m.acceptance_rate,
                        mean_accepted_length=m.mean_accepted_length,
                        verify_graph_replays=llm.runner.num_verify_replays, setup_s=setup)  # fmt: skip
-            if name == "plain":
-                plain_ids[b] = ids
-            elif b in plain_ids:
-                base = next(r for r in results["plain"] if r["batch"] == b)
+            base_name = "plain-copy" if name.endswith("-copy") else "plain"
+            if name == base_name:
+                plain_ids[(base_name, b)] = ids
+            elif (base_name, b) in plain_ids:
+                base = next(r for r in results[base_name] if r["batch"] == b)
                 row["speedup"] = row["tok_s"] / base["tok_s"]
-                diffs = first_differences(plain_ids[b], ids)
+                diffs = first_differences(plain_ids[(base_name, b)], ids)
                 row["equal_to_plain"] = sum(d is None for d in diffs)
                 row["first_difference"] = diffs
             rows.append(row)
@@ -163,7 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
                 transformers=transformers.__version__, python=platform.python_version(),
                 prompt_len=args.prompt_len, repeat_len=args.repeat_len,
                 new_tokens=args.new_tokens, num_tokens=args.num_tokens, backend=args.backend,
-                greedy=True, tiny=args.tiny)  # fmt: skip
+                copy_span=copy_span, copy_corrupt=args.copy_corrupt, greedy=True,
+                tiny=args.tiny)  # fmt: skip
     out = {"settings": meta, "results": results}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))

@@ -216,7 +216,10 @@ def test_ngram_proposer_finds_the_latest_longest_match():
     tokens += [9]
     assert prop.propose(tokens, 2) == [2, 6]  # (6, 7, 9) seen at 5..7
     assert prop.propose([1, 2, 3], 4) == []  # no earlier occurrence
-    assert NgramProposer(2, 2).propose([4, 4, 4], 5) == [4]  # (4, 4) ended at 1: one follows
+    # (4, 4) last ended at 1: 4 followed, and the loop of one token goes on
+    assert NgramProposer(2, 2).propose([4, 4, 4], 5) == [4] * 5
+    # (8, 9) ended at 3, two tokens before the end: the period 2 continues
+    assert NgramProposer(2, 2).propose([1, 2, 8, 9, 8, 9], 5) == [8, 9, 8, 9, 8]
 
 
 def test_low_acceptance_backs_off_to_plain_decoding(target):

@@ -49,7 +49,7 @@ def first_divergence_gap(ref, prompt: list[int], want: list[int], got: list[int]
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_graphed_speculation_matches_plain_greedy(method):
     ref = small_llama()
-    opts = dict(backend="triton", max_num_seqs=16, max_model_len=320, gpu_memory_utilization=0.4)
+    opts = dict(backend="triton", max_num_seqs=16, max_model_len=320, num_blocks=1024)
     prompts = repetitive_prompts(6)
     params = SamplingParams(max_new_tokens=64)
     plain = LLM(copy.deepcopy(ref), **opts)

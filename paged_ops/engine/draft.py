@@ -9,9 +9,12 @@ CUDA graphs).
 
 Per request the draft's cache holds the K/V of the tokens before ``SpecState.draft_computed``. To
 propose ``k`` drafts for a sequence of ``L`` known tokens, the draft first catches up on tokens
-``[draft_computed, L - 1)`` (chunked to the step's token budget; after a prefill or a pause that
-is the whole prompt or the paused stretch), then runs ``k`` decode steps: the first feeds token
-``L - 1``, each next one the draft just drawn, on the device. The draft's KV of drafts the target
+``[draft_computed, L - 2)`` (chunked to the step's token budget; after a prefill or a pause that
+is the whole prompt or the paused stretch), then runs ``k`` steps: the first feeds tokens
+``L - 2`` and ``L - 1`` of every sequence (a two-token verify-shaped step, replayed from the draft
+runner's own verify graphs: after a verify that accepted every draft the draft lags by exactly one
+token, and otherwise token ``L - 2``'s K/V is rewritten with the same values), each next one the
+draft just drawn, fed on the device (decode graphs). The draft's KV of drafts the target
 rejects is rolled back with the target's (``draft_computed`` never runs past the target's
 computed length). A stale entry (e.g. a prefix block another request filled before the draft saw
 it) can only lower the acceptance rate: every token is verified by the target.
@@ -62,6 +65,7 @@ class DraftModel:
         target_pa: the target's PagedAttention (its sizes and block ids are reused).
         backend: attention backend for the draft.
         runner_opts: ``compile``, ``cuda_graphs``, ``fuse_projections``, ``small_linears``.
+        max_num_seqs: the most sequences that draft in one step (its graph buckets).
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class DraftModel:
         *,
         backend: str,
         runner_opts: dict[str, bool],
+        max_num_seqs: int,
     ) -> None:
         from paged_ops.integrations.transformers import patch_model
 
@@ -82,13 +87,16 @@ class DraftModel:
             backend=backend,
             block_size=target_pa.block_size,
             num_blocks=target_pa.kv_cache.num_blocks,
-            max_num_seqs=builder.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             max_model_len=target_pa.max_model_len,
-            max_num_tokens=builder.max_num_tokens,
+            max_num_tokens=max(builder.max_num_tokens, max_num_seqs),
         )
         assert pa is not None
         self.pa = pa
-        self.runner = ModelRunner(model, pa, **runner_opts)
+        # verify graphs of two tokens per sequence serve the first proposal step
+        self.runner = ModelRunner(
+            model, pa, **runner_opts, verify_tokens=1, verify_max_seqs=max_num_seqs
+        )
         self.max_num_tokens = builder.max_num_tokens
 
     def warm_up(self) -> dict[str, Any]:
@@ -121,16 +129,27 @@ class DraftModel:
         self._catch_up(seqs)
         drafts, probs = [], []
         fed: torch.Tensor | None = None
+        num = len(seqs)
         for j in range(k):
-            slices = [SequenceSlice(s.block_ids, len(s.tokens) - 1 + j, 1) for s in seqs]
-            batch = ScheduledBatch(
-                seqs=seqs,
-                num_new=[1] * len(seqs),
-                slices=slices,
-                input_ids=[s.tokens[-1] for s in seqs] if j == 0 else [],
-                feed_rows=None if j == 0 else list(range(len(seqs))),
-            )
-            logits, greedy = self.runner.execute(batch, fed)  # [S, V], [S]
+            if j == 0:  # tokens L - 2 and L - 1: logits of both rows, the second's are used
+                batch = ScheduledBatch(
+                    seqs=seqs,
+                    num_new=[2] * num,
+                    slices=[SequenceSlice(s.block_ids, len(s.tokens) - 2, 2) for s in seqs],
+                    input_ids=[t for s in seqs for t in s.tokens[-2:]],
+                    num_draft=[1] * num,
+                )
+                logits, greedy = self.runner.execute(batch)  # [2S, V], [2S]
+                logits, greedy = logits[1::2], greedy[1::2]
+            else:
+                batch = ScheduledBatch(
+                    seqs=seqs,
+                    num_new=[1] * num,
+                    slices=[SequenceSlice(s.block_ids, len(s.tokens) - 1 + j, 1) for s in seqs],
+                    input_ids=[],
+                    feed_rows=list(range(num)),
+                )
+                logits, greedy = self.runner.execute(batch, fed)  # [S, V], [S]
             step_rows = SamplingBatch(
                 rows.temperatures, rows.top_ks, rows.top_ps, rows.seeds, [n + j for n in rows.steps]
             )
@@ -145,13 +164,13 @@ class DraftModel:
         return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
     def _catch_up(self, seqs: list[Seq]) -> None:
-        """Compute the draft's K/V of every sequence's tokens before its last known one, in steps
-        of at most ``max_num_tokens`` tokens (their logits are not used)."""
+        """Compute the draft's K/V of every sequence's tokens before its last two, in steps of at
+        most ``max_num_tokens`` tokens (their logits are not used)."""
         while True:
             budget, parts = self.max_num_tokens, []
             for s in seqs:
                 st = s.spec
-                lag = len(s.tokens) - 1 - st.draft_computed
+                lag = len(s.tokens) - 2 - st.draft_computed
                 if lag > 0 and budget > 0:
                     n = min(lag, budget)
                     parts.append((s, st.draft_computed, n))

@@ -364,6 +364,7 @@ class LLM:
                     self.pa,
                     backend=self._backend_name,
                     runner_opts=runner_opts,
+                    max_num_seqs=min(spec.disable_by_batch_size, builder.max_num_seqs),
                 )
             self.spec = Speculator(spec, draft)
         self._setup_s = time.perf_counter()

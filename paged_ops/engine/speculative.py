@@ -123,8 +123,10 @@ class NgramProposer:
         self.indexed = 0  # n-grams ending before this position are in the maps
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix
-        of ``tokens`` found; ``[]`` when none is found."""
+        """``k`` tokens that followed the latest earlier occurrence of the longest suffix of
+        ``tokens`` found (``[]`` when none is found). Where that occurrence is closer to the end
+        than ``k`` tokens, the text between it and the end repeats: the drafts continue that
+        period (a loop of 3 tokens drafts it over and over)."""
         last = len(tokens) - 1
         for p in range(self.indexed, last):  # n-grams ending at p: p + 1 exists
             for n, positions in self.maps.items():
@@ -135,7 +137,11 @@ class NgramProposer:
             if len(tokens) >= n:
                 p = positions.get(tuple(tokens[len(tokens) - n :]))
                 if p is not None:
-                    return tokens[p + 1 : p + 1 + k]
+                    period = last - p
+                    drafts = tokens[p + 1 : p + 1 + k]
+                    while len(drafts) < k:
+                        drafts.append(drafts[len(drafts) - period])
+                    return drafts
         return []
 
 
@@ -145,6 +151,7 @@ class SpecState:
 
     proposer: NgramProposer | None = None
     drafts: list[int] = field(default_factory=list)  # the real drafts of the next verify step
+    drafting: bool = False  # drafts in the next step (else its verify rows are padding)
     mean_accepted: float | None = None  # moving average of accepted drafts per verify
     off_until: int = 0  # no speculation before this many generated tokens
     backoff: int = _BACKOFF_MIN

@@ -6,9 +6,10 @@ sequence is known only once its result is read):
 1. :meth:`Speculator.plan` sets ``Sequence.num_draft`` for the running requests that may speculate
    (decoding, not backed off, no penalties, the step at most ``disable_by_batch_size`` sequences).
    With n-grams, every candidate looks its drafts up now; when nobody finds one, nobody speculates
-   (and they pause for a few tokens); otherwise every candidate verifies ``k`` rows, those with
-   fewer real drafts padded (their padding is never accepted), so the step's shape stays one of
-   the target-verify CUDA graphs.
+   (and they pause for a few tokens). Otherwise every decoding sequence of the step verifies ``k``
+   rows, those with fewer real drafts (or none: backed off, penalties) padded, so that the step's
+   shape is one of the target-verify CUDA graphs; padding is never accepted, and a sequence without
+   real drafts gets exactly the token a plain decode step would give it.
 2. The scheduler gives the verifying sequences ``k + 1`` new tokens (blocks permitting).
 3. :meth:`Speculator.fill` writes the drafts into the step's input ids (a draft model proposes them
    here) and returns what :func:`~paged_ops.engine.rejection.verify` needs per logits row.
@@ -64,14 +65,15 @@ class Speculator:
         """Set ``num_draft`` of every running sequence for the next step; whether any drafts."""
         for seq in running:
             seq.num_draft = 0
+            state = self._state(seq)
+            state.drafts, state.drafting = [], False
         if len(running) > self.config.disable_by_batch_size:
             return False
+        decoding = [seq for seq in running if seq.num_computed + 1 == len(seq.tokens)]
         candidates = [
             seq
-            for seq in running
-            if seq.num_computed + 1 == len(seq.tokens)
-            and seq.num_generated >= self._state(seq).off_until
-            and spec_eligible(seq)
+            for seq in decoding
+            if seq.num_generated >= seq.spec.off_until and spec_eligible(seq)
         ]
         if not candidates:
             return False
@@ -83,6 +85,8 @@ class Speculator:
                     seq.spec.off_until = seq.num_generated + _NO_MATCH_PAUSE
                 return False
         for seq in candidates:
+            seq.spec.drafting = True
+        for seq in decoding:  # the others verify padding: one graph shape for the step
             seq.num_draft = self.k
         return True
 
@@ -114,6 +118,9 @@ class Speculator:
         else:
             by_k: dict[int, list[int]] = {}
             for i in verifying:
+                if not batch.seqs[i].spec.drafting:
+                    self._real[i] = []  # padding only
+                    continue
                 by_k.setdefault(batch.num_draft[i], []).append(i)
             for k, rows in by_k.items():  # one proposal loop per draft length (usually one)
                 seqs = [batch.seqs[i] for i in rows]
