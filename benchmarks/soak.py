@@ -23,7 +23,10 @@ What it checks (issue 15):
   else a *mismatch* (a bug).
 
 Prints a summary and returns (``main``) / writes (``--json``) a result dict whose ``ok`` says
-whether every check passed; the script exits 1 when one failed.
+whether every check passed; the script exits 1 when one failed. With ``--deadline-s`` no round
+starts once that many seconds have passed since the first one did (the first always runs): the
+checks then cover the requests submitted (``num_run`` of ``num_requested``), and
+``stopped_at_deadline`` says whether some were left out.
 
     python3 benchmarks/soak.py --num-requests 10000 --backend triton     # on the GPU
     python3 benchmarks/soak.py --tiny --num-requests 200                 # CPU smoke run
@@ -90,11 +93,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="near-tie gap (default 0.05 for bf16/fp16, 1e-4 for float32)")  # fmt: skip
     p.add_argument("--tie-rel", type=float, default=None,
                    help="plus this x max |logit| (default 2**-6 for 16-bit, else 0)")  # fmt: skip
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no new round this many seconds after the first began (default: "
+                        "none); the requests not submitted are not checked")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", action="store_true", help="no torch.compile / CUDA graphs")
     p.add_argument("--json", default=None, help="default on CUDA: results/soak_<backend>.json")
     p.add_argument("--tiny", action="store_true", help="the tiny float32 model (default on CPU)")
     args = p.parse_args(argv)
+    if args.deadline_s is not None and not args.deadline_s >= 0:
+        p.error(f"--deadline-s must be >= 0, got {args.deadline_s}")
     on_cuda = torch.cuda.is_available()
     args.tiny = args.tiny or not on_cuda
     args.backend = args.backend or ("triton" if on_cuda else "reference")
@@ -360,6 +368,8 @@ TOTALS = dict(preemptions="num_preemptions", cached_prompt_tokens="num_cached_to
 
 @dataclass
 class SoakStats:
+    num_run: int = 0  # requests submitted (all of them unless the deadline stopped the soak)
+    stopped_at_deadline: bool = False
     rounds: int = 0
     rounds_retried: int = 0
     faults_recovered: int = 0
@@ -399,14 +409,24 @@ def run_round(llm: LLM, batch: list[Request], stats: SoakStats) -> list[Any]:
 
 
 def soak(
-    llm: LLM, requests: list[Request], round_size: int, faults: FaultInjector
+    llm: LLM,
+    requests: list[Request],
+    round_size: int,
+    faults: FaultInjector,
+    deadline_s: float | None = None,
 ) -> tuple[list[Any | None], SoakStats]:
     """Every request through ``generate`` in rounds; a round hit by an injected fault is checked
-    for a clean engine and retried unfaulted. Any other exception stops the soak (``error``)."""
+    for a clean engine and retried unfaulted. Any other exception stops the soak (``error``), and
+    so does ``deadline_s``: no round starts once that many seconds have passed since the first
+    began (``stopped_at_deadline``; ``num_run`` requests were submitted)."""
     stats, outputs = SoakStats(), [None] * len(requests)
     t0 = time.perf_counter()
     for start in range(0, len(requests), round_size):
+        if start and deadline_s is not None and time.perf_counter() - t0 >= deadline_s:
+            stats.stopped_at_deadline = True
+            break
         batch = requests[start : start + round_size]
+        stats.num_run += len(batch)
         for req in batch:
             req.arm_stop(None if req.twin is None else outputs[req.twin])
         stats.rounds += 1
@@ -725,8 +745,16 @@ def memory_line(r: dict[str, Any]) -> str:
 
 
 def print_summary(r: dict[str, Any]) -> None:
+    if r["stopped_at_deadline"]:
+        deadline = r["settings"]["deadline_s"]
+        ran = (
+            f"{r['finished']}/{r['num_run']} run finished (stopped at the {deadline:g} s "
+            f"deadline: {r['num_run']} of {r['num_requested']} requests submitted)"
+        )
+    else:
+        ran = f"{r['finished']}/{r['num_requests']} finished"
     print(
-        f"\nsoak: {r['finished']}/{r['num_requests']} finished {r['finish_reasons']}; lost "
+        f"\nsoak: {ran} {r['finish_reasons']}; lost "
         f"{r['lost']}, truncated {r['truncated']}, bad stop {r['bad_stop']}, leaked blocks "
         f"{r['leaked_blocks']}"
     )
@@ -767,23 +795,27 @@ def run_checks(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     limits = Limits.of(llm, args)
     rng = random.Random(args.seed)
     requests = make_requests(rng, args.num_requests, limits, args.round_size)
+    deadline = "" if args.deadline_s is None else f", no new round after {args.deadline_s:g} s"
     print(
         f"soak: {len(requests)} requests in rounds of {args.round_size}, {limits.num_blocks} "
         f"blocks of {limits.block_size}, max_model_len {limits.max_model_len}, backend "
-        f"{args.backend}, a fault every {args.fault_every} steps",
+        f"{args.backend}, a fault every {args.fault_every} steps{deadline}",
         flush=True,
     )
     faults = FaultInjector(llm, args.fault_every)
     try:
-        outputs, stats = soak(llm, requests, args.round_size, faults)
+        outputs, stats = soak(llm, requests, args.round_size, faults, args.deadline_s)
     finally:
         faults.remove(llm)
     tol, rel = tie_tolerances(args, llm.model)
     result: dict[str, Any] = dict(
         settings=settings_of(args, llm, limits, tol, rel),
         num_requests=len(requests),
-        request_kinds=dict(Counter(r.kind for r in requests)),
+        num_requested=len(requests),
     )
+    if stats.stopped_at_deadline:  # the requests never submitted are neither run nor lost
+        requests, outputs = requests[: stats.num_run], outputs[: stats.num_run]
+    result["request_kinds"] = dict(Counter(r.kind for r in requests))
     result.update(check_outputs(requests, outputs, limits))
     alloc = llm.pa.allocator
     result.update(

@@ -1,6 +1,7 @@
-"""LLM lifetime: close() and ``with``, a new LLM after ``del``, and recovery from an exception or a
-KeyboardInterrupt in the middle of a step, including while the next step is queued ahead (CPU,
-reference backend)."""
+"""LLM lifetime: close() and ``with``, a new LLM after ``del`` (also compiled: Dynamo's cache must not
+keep a closed LLM's KV cache, nor evict another LLM's compiled forward), and recovery from an
+exception or a KeyboardInterrupt in the middle of a step, including while the next step is queued
+ahead (CPU, reference backend)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import weakref
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from paged_ops import LLM, SamplingParams
+from paged_ops.engine import runner
 
 transformers = pytest.importorskip("transformers")
 from paged_ops.integrations.transformers import paged_attention_of, patch_model  # noqa: E402
@@ -106,6 +109,53 @@ def test_a_new_llm_after_del_replaces_the_old_cache(base):
     gc.collect()
     assert cache() is None and llm.pa.kv_cache.num_blocks == 40
     assert tokens(llm) == first
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """Compile with Dynamo + AOT autograd but without Inductor's C++ codegen (minutes on 2 cores)."""
+    monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
+
+
+def cache_refs(llm: LLM) -> tuple[weakref.ref, weakref.ref]:
+    """Weak references to the KV cache tensor and to its storage (dead only when no view is left)."""
+    data = llm.pa.kv_cache.data
+    return weakref.ref(data), weakref.ref(data.untyped_storage())
+
+
+@pytest.mark.parametrize("end", ["close", "del"])
+def test_a_compiled_llm_frees_its_cache_on_close_or_del(base, aot_eager, end):
+    model = copy.deepcopy(base)
+    llm = LLM(model, **OPTS, compile=True)
+    want = tokens(llm)
+    refs = cache_refs(llm)
+    if end == "close":
+        llm.close()
+        del llm
+    else:  # no close(): the next LLM re-patches the model with a cache of its own
+        del llm
+        gc.collect()
+        llm = LLM(model, **OPTS, compile=True)
+        assert tokens(llm) == want
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None], "Dynamo's cache kept the KV cache alive"
+
+
+def test_closing_one_compiled_llm_leaves_another_compiled(base, aot_eager):
+    want = tokens(LLM(copy.deepcopy(base), **OPTS))  # eager
+    first = LLM(copy.deepcopy(base), **OPTS, compile=True)
+    # each runner compiles a forward of its own: building the second recompiles nothing
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        second = LLM(copy.deepcopy(base), **OPTS, compile=True)
+        assert tokens(first) == tokens(second) == want
+        refs = cache_refs(first)
+        first.close()
+        del first
+        gc.collect()
+        assert [ref() for ref in refs] == [None, None]
+        counters.clear()
+        assert tokens(second) == want
+    assert not counters["stats"]["unique_graphs"], "the survivor's forward was compiled again"
 
 
 def test_closing_the_llm_under_an_open_stream_ends_it_with_an_error(base):

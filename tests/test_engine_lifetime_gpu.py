@@ -51,11 +51,6 @@ def settled_memory() -> int:
     return torch.cuda.memory_allocated()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: Dynamo's cache on ModelRunner._model_forward's shared code object keeps the "
-    "compiled graph's inputs (the KV cache) alive after close(); H100 soak measured +298 MB",
-)
 def test_close_and_del_give_the_memory_back(base):
     model = copy.deepcopy(base)
     prompts, params = prompts_and_params()

@@ -53,7 +53,23 @@ def test_soak_loses_nothing_leaks_nothing_and_recovers_from_faults(soak):
     assert any(k.endswith("+overlong") for k in r["request_kinds"])
     assert r["solo_checked"] == 24 and r["solo_mismatch"] == 0
     assert r["solo_equal"] + r["solo_near_tie"] == 24
+    assert r["num_run"] == r["num_requested"] == 300 and r["stopped_at_deadline"] is False
     assert r["ok"] is True
+
+
+def test_a_deadline_stops_the_soak_after_the_first_round(soak, capsys):
+    r = soak.main([*TINY, "--num-requests", "90", "--round-size", "30", "--fault-every", "0",
+                   "--solo-sample", "4", "--deadline-s", "0"])  # fmt: skip
+    assert r["stopped_at_deadline"] is True and r["rounds"] == 1 and r["error"] is None
+    assert r["num_requested"] == r["num_requests"] == 90 and r["num_run"] == 30
+    # the checks cover the 30 requests submitted: the other 60 are not lost
+    assert r["finished"] == 30 and sum(r["request_kinds"].values()) == 30
+    assert r["lost"] == r["truncated"] == r["bad_stop"] == r["leaked_blocks"] == 0
+    assert r["solo_checked"] == 4 and r["solo_mismatch"] == 0 and r["ok"] is True
+    summary = "30/30 run finished (stopped at the 0 s deadline: 30 of 90 requests submitted)"
+    assert f"soak: {summary}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--deadline-s", "-1"])
 
 
 def test_checks_classify_each_kind_of_bad_output(soak):

@@ -218,7 +218,8 @@ class LLM:
     Every argument is checked before the model is touched (``TypeError``/``ValueError`` naming
     it); a construction that fails later (e.g. in the warm-up) leaves the model as it was.
     ``close()`` or ``with LLM(...) as llm:`` frees the graphs, the compiled forward and, for a model
-    the LLM patched itself, the patch and its KV cache.
+    the LLM patched itself, the patch and its KV cache. Each LLM compiles a forward of its own:
+    several LLMs in one process do not recompile or evict each other's.
 
     After construction, ``warmup_s`` is the construction's wall time and ``warmup_breakdown``
     says where it went (``setup_s``: patching and sizing the cache; the rest from
@@ -722,12 +723,13 @@ class LLM:
     # ---- lifetime ----
 
     def close(self) -> None:
-        """Free what this LLM holds: its CUDA graphs and compiled forward and, when the LLM
-        patched the model itself, the patch and its KV cache (the model is unpatched: a plain
-        transformers model again, with the same weights). A model the caller patched keeps its
-        PagedAttention and cache. A generate/stream still running is aborted. Calling it again
-        does nothing; generate/stream raise ``RuntimeError`` afterwards. ``with LLM(...) as llm:``
-        closes on exit."""
+        """Free what this LLM holds: its CUDA graphs and compiled forward (Dynamo's cache entries
+        of this LLM's forward go too; other LLMs' stay compiled) and, when the LLM patched the
+        model itself, the patch and its KV cache (the model is unpatched: a plain transformers
+        model again, with the same weights): once the caller drops the LLM, nothing keeps the
+        cache's memory. A model the caller patched keeps its PagedAttention and cache. A
+        generate/stream still running is aborted. Calling it again does nothing; generate/stream
+        raise ``RuntimeError`` afterwards. ``with LLM(...) as llm:`` closes on exit."""
         if self.closed:
             return
         self.closed = True

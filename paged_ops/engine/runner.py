@@ -25,6 +25,8 @@ step's sampled ids on the device (``batch.feed_rows``): a device copy, no host r
 from __future__ import annotations
 
 import time
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +55,46 @@ def _no_duck_shapes():  # returns a context manager
     from torch.fx.experimental import _config as fx_config
 
     return fx_config.patch(use_duck_shape=False)
+
+
+def _own_code(method: types.MethodType) -> types.MethodType:
+    """``method`` on a copy of its function's code object, bound to the same instance.
+
+    Dynamo keeps what it compiles (transformed bytecode, guards, the backend and its graphs) on the
+    code object of the frame it compiled, not on the function, and a closure made per instance
+    still shares its ``def``'s code object. On the one code object of ``_model_forward``, each
+    new runner would recompile (the guards on the other runners' objects fail), entries of every
+    runner ever built would pile up towards Dynamo's recompile limit, and none would go with its
+    runner (issue 15). A code object of its own gives each runner a cache that it can drop.
+    """
+    func = method.__func__
+    code = func.__code__.replace()  # same bytecode, name and line: only the identity differs
+    assert code is not func.__code__
+    own = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__)
+    own.__qualname__ = func.__qualname__
+    return types.MethodType(own, method.__self__)
+
+
+def _evict_compiled(code: types.CodeType) -> None:
+    """Drop Dynamo's cache entries of ``code`` (that code object's only: other runners keep
+    theirs), with the compiled graphs and guards they hold. Without it they outlive the runner:
+    each entry holds its compiled code, which Dynamo maps back to ``code``, all from C, where
+    the garbage collector does not look."""
+    reset_code = getattr(torch._C._dynamo.eval_frame, "reset_code", None)  # torch 2.11 .. 2.13
+    if reset_code is not None:
+        reset_code(code)
+
+
+def _weak(method: Callable[[int], None]) -> Callable[[int], None]:
+    """``method`` as a callback that does not keep its instance alive: torch keeps the compile
+    backend that calls it in every cache entry and in a process-wide registry of backends."""
+    ref = weakref.WeakMethod(method)
+
+    def call(n: int) -> None:
+        if (alive := ref()) is not None:
+            alive(n)
+
+    return call
 
 
 class ModelRunner:
@@ -109,13 +151,17 @@ class ModelRunner:
             if fuse_projections or small_linears:
                 backend = fusion.compile_backend(
                     INNER_BACKEND,
-                    self._count_fused,
+                    _weak(self._count_fused),
                     fuse=fuse_projections,
                     small_linears=small_linears,
                     max_out_features=SMALL_LINEAR_MAX_OUT,
-                    on_rerouted=self._count_rerouted,
+                    on_rerouted=_weak(self._count_rerouted),
                 )
-            self._forward = torch.compile(self._model_forward, fullgraph=True, backend=backend)
+            forward = _own_code(self._model_forward)
+            # on close(), or once a runner dropped without close() is collected
+            self._evict_compiled = weakref.finalize(self, _evict_compiled, forward.__code__)
+            self._evict_compiled.atexit = False
+            self._forward = torch.compile(forward, fullgraph=True, backend=backend)
         self.use_graphs = cuda_graphs and on_cuda
         self.buckets = graph_buckets(self.max_num_seqs) if self.use_graphs else []
         # bucket -> (graph, its static outputs: logits [bucket, V], greedy ids [bucket])
@@ -257,12 +303,15 @@ class ModelRunner:
         return self._call(num_tokens, host_to_device(rows, torch.int64, self.device))
 
     def close(self) -> None:
-        """Drop the CUDA graphs (and their memory pool), the compiled forward and the buffers;
-        the runner cannot execute afterwards."""
+        """Drop the CUDA graphs (and their memory pool), the compiled forward with Dynamo's cache
+        entries of it (this runner's only) and the buffers; the runner cannot execute afterwards.
+        A runner that is only dropped (no ``close``) releases the same once it is collected."""
         self._graphs.clear()
         self._verify_graphs.clear()
         self.use_graphs, self.buckets, self.verify_buckets = False, [], []
         self._forward = self._closed_forward
+        if self._compiled:
+            self._evict_compiled()
         empty = torch.zeros(0, dtype=torch.int64)
         self.input_ids = self._host_ids = empty
 
