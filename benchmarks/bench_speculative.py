@@ -12,12 +12,15 @@ The Llama-3.2-1B shape of ``bench_generate.py`` (random bf16 weights) at batch 1
   accepted): what a useless draft costs once the engine backs off.
 - ``plain-copy`` / ``ngram-copy``: a random model cannot continue text it has seen, so n-gram
   drafts from the prompt are rejected (``ngram`` above measures that case). For n-gram speed at a
-  known acceptance, these run a *copy target*: the same shape and kernels with every attention
-  output projection zeroed, so that the next token is a fixed function ``f`` of the current one
-  (tabulated once with the HF model), and prompts that hold the orbit ``x, f(x), f(f(x)), ...``
-  twice: ``--copy-span`` tokens of it (a fraction ``--copy-corrupt`` of them replaced by random
-  tokens), then its first 16 tokens again. The continuation walks the orbit from there, which the
-  first copy holds: each draft token is right unless it was corrupted.
+  known acceptance, these run a *copy target*: the same shape and kernels (same matmul sizes) with
+  the attention and MLP output projections zeroed and the LM head untied and set to the token
+  embeddings permuted by a random permutation ``f``, so that the next token is ``f(current
+  token)`` with a wide logit margin (no bf16 near ties), and prompts that hold the orbit
+  ``x, f(x), f(f(x)), ...`` twice: ``new_tokens + 64`` tokens of it (a fraction
+  ``--copy-corrupt`` replaced by random tokens), then its first 16 tokens again. The continuation
+  walks the orbit from there, which the first copy holds: a draft token is right unless it was
+  corrupted. ``ngram-copy-hard`` corrupts ``--copy-corrupt-hard`` of them (its speedup is over
+  ``plain-copy`` on the other prompts: the same lengths and kernels, so the same cost).
 
 ``--systems`` picks among them; ``--tiny`` runs a tiny model on the CPU (reference backend).
 
@@ -55,11 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat-len", type=int, default=32, help="length of the repeated stretch")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--num-tokens", type=int, default=4, help="drafts per verify step (k)")
-    p.add_argument(
-        "--systems", default="plain,ngram,draft=target,draft-2layer,plain-copy,ngram-copy"
-    )
+    p.add_argument("--systems", default="plain,ngram,draft=target,draft-2layer,plain-copy,"
+                   "ngram-copy,ngram-copy-hard")  # fmt: skip
     p.add_argument("--copy-corrupt", type=float, default=0.05,
                    help="copy target: fraction of the prompt's first orbit copy replaced")  # fmt: skip
+    p.add_argument("--copy-corrupt-hard", type=float, default=0.15,
+                   help="the same for ngram-copy-hard")  # fmt: skip
     p.add_argument("--backend", default="triton")
     p.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
     p.add_argument("--out", default=None)
@@ -77,23 +81,28 @@ def repeated_prompts(
     return out
 
 
-def copy_target(cfg):
-    """The benchmark model with zero attention output: next token = f(current token)."""
-    model = bg.build_model(cfg, bg.DEVICE)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    return model
-
-
 @torch.no_grad()
-def next_token_table(model, vocab: int, chunk: int = 4096) -> list[int]:
-    """``f(t)`` for every token ``t`` of a copy target (one position suffices: nothing mixes)."""
-    table = []
-    for start in range(0, vocab, chunk):
-        ids = torch.arange(start, min(vocab, start + chunk), device=bg.DEVICE)[None]
-        table += model(input_ids=ids, use_cache=False).logits[0].argmax(-1).tolist()
-    return table
+def copy_target(cfg) -> tuple[torch.nn.Module, list[int]]:
+    """The benchmark model rewired so that the next token is ``f(current token)`` for a random
+    permutation ``f`` (returned): attention and MLP outputs zero (the residual stream is the
+    token's embedding), LM head row ``f(t)`` = embedding ``t``. Same kernels and sizes."""
+    model = bg.build_model(cfg, bg.DEVICE)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    emb = model.model.embed_tokens.weight
+    perm = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(11))
+    head = torch.empty_like(emb)
+    head[perm.to(emb.device)] = emb  # row f(t) holds embedding t
+    model.lm_head.weight = torch.nn.Parameter(head)  # untied from the embeddings
+    model.config.tie_word_embeddings = False
+    f = perm.tolist()
+    probe = torch.arange(1, min(cfg.vocab_size, 4097), device=bg.DEVICE)[None]
+    got = model(input_ids=probe, use_cache=False).logits[0].argmax(-1).tolist()
+    wrong = sum(g != f[t] for g, t in zip(got, probe[0].tolist(), strict=True))
+    if wrong:
+        raise RuntimeError(f"copy target: {wrong} of {probe.shape[1]} tokens do not map to f(t)")
+    return model, f
 
 
 def orbit_prompts(
@@ -120,7 +129,7 @@ def orbit_prompts(
 def speculative_config(name: str, target, cfg, k: int) -> SpeculativeConfig | None:
     if name in ("plain", "plain-copy"):
         return None
-    if name in ("ngram", "ngram-copy"):
+    if name in ("ngram", "ngram-copy", "ngram-copy-hard"):
         return SpeculativeConfig("ngram", num_tokens=k)
     if name == "draft=target":
         return SpeculativeConfig("draft", num_tokens=k, draft_model=copy.deepcopy(target))
@@ -154,13 +163,13 @@ def main(argv: list[str] | None = None) -> dict:
     max_len = max(args.prompt_len, copy_span + 16) + args.new_tokens + args.num_tokens + 16
     names = args.systems.split(",")
     copy_model, table = None, None
-    if any(n.endswith("-copy") for n in names):
-        copy_model = copy_target(cfg)
-        table = next_token_table(copy_model, cfg.vocab_size)
+    if any("-copy" in n for n in names):
+        copy_model, table = copy_target(cfg)
 
     def workload(name: str, b: int, variant: int) -> list[list[int]]:
-        if name.endswith("-copy"):
-            return orbit_prompts(b, table, copy_span, args.copy_corrupt, variant)
+        if "-copy" in name:
+            corrupt = args.copy_corrupt_hard if name.endswith("-hard") else args.copy_corrupt
+            return orbit_prompts(b, table, copy_span, corrupt, variant)
         return repeated_prompts(b, args.prompt_len, args.repeat_len, cfg.vocab_size, variant)
 
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     plain_ids: dict[tuple[str, int], list[list[int]]] = {}
     for name in names:
         spec = speculative_config(name, target, cfg, args.num_tokens)
-        model = copy_model if name.endswith("-copy") else target
+        model = copy_model if "-copy" in name else target
         t0 = time.perf_counter()
         llm = LLM(
             copy.deepcopy(model),
@@ -203,18 +212,20 @@ def main(argv: list[str] | None = None) -> dict:
                        acceptance_rate=m.acceptance_rate,
                        mean_accepted_length=m.mean_accepted_length,
                        verify_graph_replays=llm.runner.num_verify_replays, setup_s=setup)  # fmt: skip
-            base_name = "plain-copy" if name.endswith("-copy") else "plain"
+            base_name = "plain-copy" if "-copy" in name else "plain"
             if name == base_name:
                 plain_ids[(base_name, b)] = ids
             elif (base_name, b) in plain_ids:
                 base = next(r for r in results[base_name] if r["batch"] == b)
                 row["speedup"] = row["tok_s"] / base["tok_s"]
-                diffs = first_differences(plain_ids[(base_name, b)], ids)
-                row["equal_to_plain"] = sum(d is None for d in diffs)
-                row["first_difference"] = diffs
+                if not name.endswith("-hard"):  # the same prompts as the baseline
+                    diffs = first_differences(plain_ids[(base_name, b)], ids)
+                    row["equal_to_plain"] = sum(d is None for d in diffs)
+                    row["first_difference"] = diffs
             rows.append(row)
-            extra = (f", {row['speedup']:.2f}x plain, {row['equal_to_plain']}/{b} equal"
-                     if "speedup" in row else "")  # fmt: skip
+            extra = f", {row['speedup']:.2f}x plain" if "speedup" in row else ""
+            if "equal_to_plain" in row:
+                extra += f", {row['equal_to_plain']}/{b} equal"
             print(f"  b={b}: {row['tok_s']:,.0f} tok/s ({m.num_steps} steps; accepted "
                   f"{m.num_accepted_tokens}/{m.num_draft_tokens} = {m.acceptance_rate:.0%}, "
                   f"{m.mean_accepted_length:.2f} tokens/verify){extra}", flush=True)  # fmt: skip
@@ -228,7 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
                 transformers=transformers.__version__, python=platform.python_version(),
                 prompt_len=args.prompt_len, repeat_len=args.repeat_len,
                 new_tokens=args.new_tokens, num_tokens=args.num_tokens, backend=args.backend,
-                copy_span=copy_span, copy_corrupt=args.copy_corrupt, greedy=True,
+                copy_span=copy_span, copy_corrupt=args.copy_corrupt,
+                copy_corrupt_hard=args.copy_corrupt_hard, greedy=True,
                 tiny=args.tiny)  # fmt: skip
     out = {"settings": meta, "results": results}
     if args.out:

@@ -169,9 +169,10 @@ class ModelRunner:
         self.verify_tokens = verify_tokens
         self.verify_buckets: list[int] = []
         if self.use_graphs and verify_tokens and self._graph_safe("prefill"):
+            # from one sequence: speculation is for small batches, batch 1 above all
             most = min(verify_max_seqs, self.max_num_tokens // (verify_tokens + 1))
-            self.verify_buckets = [b for b in self.buckets if b < most] + [most] * (most > 0)
-            self.verify_buckets = sorted(set(self.verify_buckets))
+            sizes = [1] + [b for b in self.buckets if b < most] + [most]
+            self.verify_buckets = sorted({b for b in sizes if 1 <= b <= most})
         # bucket -> graph of a verify step with verify_tokens drafts per sequence:
         # logits [bucket * (k + 1), V], greedy ids [bucket * (k + 1)]
         self._verify_graphs: dict[

@@ -25,7 +25,8 @@ sequence's last ``n`` tokens, ``ngram_max >= n >= ngram_min``, proposes what fol
 small draft model (:mod:`paged_ops.engine.draft`). A request whose drafts keep being rejected stops
 speculating for a while (an exponential moving average of accepted drafts per verify below
 ``min_mean_accepted`` backs it off for 16, 32, ... 256 generated tokens, then it probes again), so
-text the drafter cannot predict runs at the speed of plain decoding.
+text the drafter cannot predict runs at the speed of plain decoding (its probes are aligned across
+the batch, see :mod:`paged_ops.engine.speculator`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from paged_ops.engine.params import as_float, as_int
 
 METHODS = ("ngram", "draft")
 _EMA = 0.5  # weight of the newest verify in a request's mean accepted drafts
+_PRIOR = 1.0  # the mean a request starts from (or restarts from after a back-off): two verifies
+# that accept nothing back it off at the default threshold of 0.5, one does not
 _BACKOFF_MIN, _BACKOFF_MAX = 16, 256  # generated tokens a request waits before probing again
 
 
@@ -157,6 +160,11 @@ class SpecState:
     backoff: int = _BACKOFF_MIN
     draft_computed: int = 0  # a draft model's cache holds K/V of tokens before this position
 
+    @property
+    def backed_off(self) -> bool:
+        """Backed off at least once and not yet back to a good average."""
+        return self.backoff > _BACKOFF_MIN
+
     def blocks_dropped(self) -> None:
         """The sequence lost its blocks (preempted or finished): a draft model's KV is gone."""
         self.draft_computed = 0
@@ -165,7 +173,7 @@ class SpecState:
     def observe(self, num_generated: int, accepted: int, threshold: float) -> None:
         """Update the moving average after a verify; back off when it falls below
         ``threshold``, doubling the pause each time (reset when a probe goes well)."""
-        avg = accepted if self.mean_accepted is None else self.mean_accepted
+        avg = max(_PRIOR, threshold) if self.mean_accepted is None else self.mean_accepted
         self.mean_accepted = (1 - _EMA) * avg + _EMA * accepted
         if self.mean_accepted < threshold:
             self.off_until = num_generated + self.backoff

@@ -37,6 +37,8 @@ from paged_ops.engine.speculative import (
 )
 
 _NO_MATCH_PAUSE = 8  # generated tokens before an n-gram lookup that found nothing is tried again
+_PROBE_EVERY = 16  # a request that backed off probes again only on every 16th step of the LLM,
+# so that the probes of a batch's requests share verify steps instead of each making its own
 
 
 class Speculator:
@@ -51,6 +53,7 @@ class Speculator:
         self.config, self.draft, self.k = config, draft, config.num_tokens
         self.metrics = SpecMetrics()
         self._real: dict[int, list[int]] = {}  # row of the step being verified -> its real drafts
+        self._steps = 0  # steps planned so far
 
     def _state(self, seq: Seq) -> SpecState:
         if seq.spec is None:
@@ -67,13 +70,17 @@ class Speculator:
             seq.num_draft = 0
             state = self._state(seq)
             state.drafts, state.drafting = [], False
+        self._steps += 1
         if len(running) > self.config.disable_by_batch_size:
             return False
         decoding = [seq for seq in running if seq.num_computed + 1 == len(seq.tokens)]
+        probe_step = self._steps % _PROBE_EVERY == 0
         candidates = [
             seq
             for seq in decoding
-            if seq.num_generated >= seq.spec.off_until and spec_eligible(seq)
+            if seq.num_generated >= seq.spec.off_until
+            and (probe_step or not seq.spec.backed_off)
+            and spec_eligible(seq)
         ]
         if not candidates:
             return False
