@@ -60,7 +60,8 @@ def test_close_and_del_give_the_memory_back(base):
     assert settled_memory() > start
     llm.close()
     assert paged_attention_of(model) is None
-    assert settled_memory() == start, "close() left device memory allocated"
+    # <=: what the test process held before may be freed meanwhile (an H100 run: 0.5 MiB less)
+    assert settled_memory() <= start, "close() left device memory allocated"
     for _ in range(3):  # build, use and drop without close(): the next LLM replaces the old cache
         llm = LLM(model, **OPTS)
         llm.generate(prompts, params, use_tqdm=False)
@@ -68,7 +69,7 @@ def test_close_and_del_give_the_memory_back(base):
     again = LLM(model, **OPTS)
     in_use = settled_memory()
     again.close()
-    assert settled_memory() == start
+    assert settled_memory() <= start
     print(f"one LLM holds {(in_use - start) / 2**20:.1f} MiB; after close: back to the start")
 
 

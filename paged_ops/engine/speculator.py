@@ -101,8 +101,14 @@ class Speculator:
         """Whether the next step could verify drafts (then no step is scheduled ahead)."""
         if len(running) > self.config.disable_by_batch_size:
             return False
+        probe_step = (self._steps + 1) % _PROBE_EVERY == 0  # as plan() will count it
         return any(
-            (seq.spec is None or seq.num_generated + 1 >= seq.spec.off_until) and spec_eligible(seq)
+            seq.spec is None
+            or (
+                seq.num_generated + 1 >= seq.spec.off_until
+                and (probe_step or not seq.spec.backed_off)
+                and spec_eligible(seq)
+            )
             for seq in running
         )
 
