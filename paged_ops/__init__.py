@@ -12,10 +12,12 @@ from paged_ops.backends import LayerSpec, available_backends
 from paged_ops.cache import BlockAllocator, KVCache, OutOfBlocksError, blocks_needed
 from paged_ops.engine import (
     LLM,
+    CompletionOutput,
     GenerationMetrics,
     RequestOutput,
     SamplingParams,
     StreamChunk,
+    TokenLogprob,
     configure_compile_caches,
 )
 from paged_ops.linear import small_linear
@@ -26,6 +28,7 @@ from paged_ops.ops import paged_attention, write_kv
 __all__ = [
     "AttentionMetadata",
     "BlockAllocator",
+    "CompletionOutput",
     "GenerationMetrics",
     "LLM",
     "KVCache",
@@ -38,6 +41,7 @@ __all__ = [
     "SamplingParams",
     "SequenceSlice",
     "StreamChunk",
+    "TokenLogprob",
     "available_backends",
     "blocks_needed",
     "configure_compile_caches",

@@ -2,13 +2,22 @@
 
 from paged_ops.engine.compile_cache import configure_compile_caches
 from paged_ops.engine.llm import LLM
-from paged_ops.engine.params import GenerationMetrics, RequestOutput, SamplingParams, StreamChunk
+from paged_ops.engine.params import (
+    CompletionOutput,
+    GenerationMetrics,
+    RequestOutput,
+    SamplingParams,
+    StreamChunk,
+    TokenLogprob,
+)
 
 __all__ = [
     "LLM",
+    "CompletionOutput",
     "GenerationMetrics",
     "RequestOutput",
     "SamplingParams",
     "StreamChunk",
+    "TokenLogprob",
     "configure_compile_caches",
 ]
