@@ -12,11 +12,13 @@ from paged_ops.backends import LayerSpec, available_backends
 from paged_ops.cache import BlockAllocator, KVCache, OutOfBlocksError, blocks_needed
 from paged_ops.engine import (
     LLM,
+    CompletionOutput,
     GenerationMetrics,
     RequestOutput,
     SamplingParams,
     SpeculativeConfig,
     StreamChunk,
+    TokenLogprob,
     configure_compile_caches,
 )
 from paged_ops.linear import small_linear
@@ -27,6 +29,7 @@ from paged_ops.ops import paged_attention, write_kv
 __all__ = [
     "AttentionMetadata",
     "BlockAllocator",
+    "CompletionOutput",
     "GenerationMetrics",
     "LLM",
     "KVCache",
@@ -40,6 +43,7 @@ __all__ = [
     "SequenceSlice",
     "SpeculativeConfig",
     "StreamChunk",
+    "TokenLogprob",
     "available_backends",
     "blocks_needed",
     "configure_compile_caches",

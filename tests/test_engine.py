@@ -234,7 +234,7 @@ def test_bad_requests_fail_before_any_work(models, prompts, params, error, match
         (dict(temperature=float("nan")), ValueError),
         (dict(top_p=0.0), ValueError),
         (dict(top_p=1.5), ValueError),
-        (dict(top_k=-1), ValueError),
+        (dict(top_k=-2), ValueError),  # -1 means off (vLLM)
         (dict(seed=-3), ValueError),
         (dict(stop_token_ids="7"), TypeError),
     ],

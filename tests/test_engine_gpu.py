@@ -90,3 +90,41 @@ def test_engine_on_flashinfer_matches_hf_greedy():
     # head_dim 128 (FlashInfer serves 64/128/256), GQA group 2: CUDA-core decode graphs per bucket
     check_engine_against_hf(small_llama(torch.bfloat16, hidden=512, heads=4), 0.15,
                             backend="flashinfer")  # fmt: skip
+
+
+def test_samples_logprobs_and_penalties_under_compile_graphs_and_overlap():
+    """n samples, logprobs and penalties on the compiled, graphed engine: the same tokens with
+    and without overlap; logprobs are HF's float32 log_softmax; every block comes back."""
+    torch._dynamo.reset()
+    ref = small_llama(torch.float32)
+    llm = LLM(copy.deepcopy(ref), max_num_seqs=16, max_model_len=256,
+              gpu_memory_utilization=0.5)  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (5, 33, 16, 70)]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=5, n=3, logprobs=4),
+        SamplingParams(max_tokens=20, repetition_penalty=1.5, presence_penalty=0.5, logprobs=0),
+        SamplingParams(max_tokens=20, temperature=0.7, seed=6, frequency_penalty=0.8, n=2),
+        SamplingParams(max_tokens=20),
+    ]
+    results = {}
+    for overlap in (True, False):
+        llm.overlap = overlap
+        outs = llm.generate(prompts, params)
+        assert (llm.last_metrics.num_overlapped_steps > 0) == overlap
+        assert llm.pa.allocator.num_free == llm.pa.kv_cache.num_blocks
+        results[overlap] = [[o.token_ids for o in out.outputs] for out in outs]
+    assert results[True] == results[False]
+    assert len({tuple(t) for t in results[True][0]}) == 3
+    for prompt, out in zip(prompts[:2], outs[:2], strict=True):
+        for sample in out.outputs:
+            with torch.no_grad():
+                logits = ref(torch.tensor([prompt + sample.token_ids], device="cuda")).logits[0]
+            logp = logits[len(prompt) - 1 : -1].float().log_softmax(-1).cpu()
+            for lp, token, row in zip(sample.logprobs, sample.token_ids, logp, strict=True):
+                assert lp.logprob == pytest.approx(row[token].item(), abs=2e-3)
+                assert [t for t, _ in lp.top] == row.topk(len(lp.top)).indices.tolist()
+    del llm
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()

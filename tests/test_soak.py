@@ -152,20 +152,20 @@ def test_soak_reports_a_broken_engine(soak, monkeypatch, breakage):
     elif breakage == "batch_changes_tokens":  # row 1 of a step of several gets another token
         postprocess = Scheduler.postprocess
 
-        def wrong_row(self, batch, sampled):
+        def wrong_row(self, batch, sampled, *rest):
             if len(sampled) > 1:
                 sampled = [sampled[0], sampled[1] % 127 + 1, *sampled[2:]]
-            return postprocess(self, batch, sampled)
+            return postprocess(self, batch, sampled, *rest)
 
         monkeypatch.setattr(Scheduler, "postprocess", wrong_row)
     elif breakage == "crash":  # the 100th step's postprocess raises
         postprocess, steps = Scheduler.postprocess, []
 
-        def crash(self, batch, sampled):
+        def crash(self, batch, sampled, *rest):
             steps.append(1)
             if len(steps) == 100:
                 raise ValueError("engine bug")
-            return postprocess(self, batch, sampled)
+            return postprocess(self, batch, sampled, *rest)
 
         monkeypatch.setattr(Scheduler, "postprocess", crash)
     else:  # the first free of some blocks from the 30th call on keeps one of them

@@ -298,3 +298,48 @@ def test_draft_models_that_cannot_serve_are_refused_before_patching(target):
     with pytest.raises(TypeError, match="SpeculativeConfig"):
         LLM(model, speculative={"method": "ngram"}, **OPTS)
     assert paged_attention_of(model) is None and paged_attention_of(other_vocab) is None
+
+
+def test_stop_strings_cut_a_verify_steps_tokens_at_the_completing_one(target):
+    """Drafts accepted past a stop string's end are dropped: the output equals plain decoding's
+    (text before the stop string, tokens up to the one completing it), streamed the same."""
+    from test_engine_sampling import spanning_stop, word_list, word_tokenizer
+
+    tok = word_tokenizer()
+    prompts = prompts_of([10, 7])
+    free, _ = run(target, prompts, SamplingParams(max_new_tokens=40))
+    stop, at, upto = spanning_stop(free[0], min_start=6)
+    params = SamplingParams(max_new_tokens=40, stop=stop)
+    opts = dict(OPTS, num_blocks=256)
+    plain = LLM(copy.deepcopy(target), tok, **opts).generate(prompts, params, use_tqdm=False)
+    llm = LLM(copy.deepcopy(target), tok, speculative=SpeculativeConfig("ngram"), **opts)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.last_metrics.num_accepted_tokens > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert outs[0].token_ids == free[0][:upto] and outs[0].finish_reason == "stop"
+    assert outs[0].text == "".join(word_list()[t] for t in free[0])[:at]
+    chunks = list(llm.stream(prompts[0], params))
+    assert [c.token_id for c in chunks] == outs[0].token_ids
+    assert "".join(c.text for c in chunks) == outs[0].text
+    assert llm.pa.allocator.num_free == llm.pa.allocator.num_blocks
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [dict(logprobs=2), dict(repetition_penalty=1.3), dict(n=2, seed=5, temperature=0.8)],
+)
+def test_requests_that_need_plain_steps_switch_speculation_off_while_they_run(target, extra):
+    """A request with logprobs, penalties or samples to fork runs beside greedy ones: nothing
+    verifies while it runs, and every output is what it is without speculation."""
+    prompts = prompts_of([6, 9, 12])
+    params = [SamplingParams(max_new_tokens=24), SamplingParams(max_new_tokens=24),
+              SamplingParams(max_new_tokens=8, **extra)]  # fmt: skip
+    opts = dict(OPTS, num_blocks=256)
+    plain = LLM(copy.deepcopy(target), **opts).generate(prompts, params, use_tqdm=False)
+    llm = LLM(copy.deepcopy(target), speculative=SpeculativeConfig("ngram"), **opts)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for got, want in zip(outs, plain, strict=True):
+        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+        assert [o.logprobs for o in got.outputs] == [o.logprobs for o in want.outputs]
+    # the greedy requests speculate once the third has finished (it wants 8 tokens, they 24)
+    assert llm.last_metrics.num_draft_tokens > 0

@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from paged_ops.backends import BACKEND_NAMES
-from paged_ops.engine.params import as_float, as_int, as_token_ids
+from paged_ops.engine.params import SamplingParams, as_float, as_int, as_token_ids
 
 # LLM size arguments -> the smallest value that can serve a request
 _MIN_SIZES = {
@@ -140,6 +140,28 @@ def check_stop_ids(stop_ids: Sequence[int] | None, index: int, vocab_size: int) 
     if bad:
         raise ValueError(
             f"params {index} has stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
+        )
+
+
+def check_sampling(
+    params: SamplingParams, index: int, tokenizer: Any | None, vocab_size: int, max_num_seqs: int
+) -> None:
+    """``ValueError`` for settings this LLM cannot serve: stop strings without a tokenizer, more
+    samples than seats, more top logprobs than tokens."""
+    if params.stop and tokenizer is None:
+        raise ValueError(
+            f"params {index} has stop strings {list(params.stop)} but the LLM has no tokenizer to "
+            "decode the output with; pass LLM(model, tokenizer) or use stop_token_ids"
+        )
+    if params.n > max_num_seqs:
+        raise ValueError(
+            f"params {index} asks for n={params.n} samples but the LLM runs at most "
+            f"max_num_seqs={max_num_seqs} sequences at once (its samples run together)"
+        )
+    if params.logprobs is not None and params.logprobs > vocab_size:
+        raise ValueError(
+            f"params {index} asks for logprobs={params.logprobs} top tokens; the vocabulary has "
+            f"{vocab_size}"
         )
 
 

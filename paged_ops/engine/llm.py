@@ -24,19 +24,28 @@ from paged_ops.engine.draft import DraftModel, check_draft_model
 from paged_ops.engine.inputs import (
     check_llm_args,
     check_model,
+    check_sampling,
     check_stop_ids,
     default_compile,
     encode_prompt,
     is_chat,
 )
-from paged_ops.engine.params import GenerationMetrics, RequestOutput, SamplingParams, StreamChunk
+from paged_ops.engine.params import (
+    GenerationMetrics,
+    RequestOutput,
+    SamplingParams,
+    StreamChunk,
+    TokenLogprob,
+)
 from paged_ops.engine.rejection import verify
+from paged_ops.engine.requests import make_samples, request_output
 from paged_ops.engine.runner import ModelRunner, format_breakdown
-from paged_ops.engine.sampler import SamplingBatch, sample
 from paged_ops.engine.scheduler import ScheduledBatch, Scheduler
 from paged_ops.engine.scheduler import Sequence as Seq
 from paged_ops.engine.speculative import SpecMetrics, SpeculativeConfig
 from paged_ops.engine.speculator import Speculator, row_settings
+from paged_ops.engine.step_sampling import StepSample, sample_step
+from paged_ops.engine.stop import finish_on_stop_strings
 from paged_ops.fp8 import resolve_kv_cache_dtype
 from paged_ops.module import PagedAttention
 
@@ -54,14 +63,14 @@ class _Launched:
     """A step queued on the device: its sampled ids there, and their copy on the way to the host."""
 
     batch: ScheduledBatch
-    sampled: torch.Tensor  # [S] int64 on the device
-    host: torch.Tensor  # [S] int64 on the host (pinned, filled asynchronously on CUDA)
+    sampled: torch.Tensor  # [R] int64 on the device (row i < S: batch.seqs[i])
+    host: StepSample  # ids and logprobs on the host (pinned, filled asynchronously on CUDA)
     done: torch.cuda.Event | None  # recorded after the copy (None on CPU: already done)
 
-    def read(self) -> list[int]:
+    def read(self) -> tuple[list[int], list[TokenLogprob | None] | None]:
         if self.done is not None:
             self.done.synchronize()  # waits for this step only, not for a step launched after it
-        return self.host.tolist()
+        return self.host.read()
 
 
 def _token_ids(value: Any) -> set[int]:
@@ -456,7 +465,8 @@ class LLM:
 
     def _make_sequences(
         self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None
-    ) -> list[Seq]:
+    ) -> list[list[Seq]]:
+        """Each request's samples (``SamplingParams.n`` sequences; the first is scheduled)."""
         self._check_open()
         if is_chat(prompts):
             raise TypeError(
@@ -480,21 +490,24 @@ class LLM:
             )
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        seqs = []
+        requests = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"params {i} must be SamplingParams, got {type(p).__name__}")
             ids = encode_prompt(prompt, i, self.tokenizer, self.vocab_size)
             check_stop_ids(p.stop_token_ids, i, self.vocab_size)
+            check_sampling(p, i, self.tokenizer, self.vocab_size, self.scheduler.max_num_seqs)
             try:
                 self.scheduler.check_fits(len(ids), p)
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from None
             stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_ids)
             seed = p.seed if p.seed is not None else self._rng.getrandbits(32)
-            seqs.append(Seq(self._next_id + i, len(ids), ids, p, seed, frozenset(stops)))
-        self._next_id += len(seqs)
-        return seqs
+            requests.append(
+                make_samples(self._next_id, ids, p, seed, frozenset(stops), self.tokenizer)
+            )
+            self._next_id += p.n
+        return requests
 
     # ---- the loop ----
 
@@ -528,7 +541,7 @@ class LLM:
                     break
                 if launched is None:
                     if spec is not None:
-                        spec.plan(sched.running)  # which running requests verify drafts
+                        spec.plan(sched.running, sched.waiting)  # who verifies drafts
                     batch = sched.schedule()
                     if not batch.seqs:
                         raise RuntimeError("the scheduler made no progress (KV cache too small?)")
@@ -539,7 +552,7 @@ class LLM:
                 # Queue the next step before waiting for this one: the device never idles while
                 # the host reads ids and postprocesses.
                 following = self._launch(ahead, launched.sampled) if ahead is not None else None
-                tokens = launched.read()  # the one host sync of the step
+                tokens, logprobs = launched.read()  # the one host sync of the step
                 done = launched.batch
                 metrics.num_steps += 1
                 metrics.num_decode_steps += done.is_decode
@@ -547,10 +560,11 @@ class LLM:
                 if done.is_verify:
                     assert spec is not None
                     sampled, accepted = spec.resolve(done, tokens)
-                    advanced = sched.postprocess(done, sampled, accepted)
+                    advanced = sched.postprocess(done, sampled, accepted=accepted)
                     spec.rolled_back(done)
                 else:
-                    advanced = sched.postprocess(done, tokens)
+                    advanced = sched.postprocess(done, tokens, logprobs)
+                finish_on_stop_strings(sched, advanced)
                 yield advanced
                 launched = following
             finished = True
@@ -582,32 +596,21 @@ class LLM:
             assert self.spec is not None
             draft_ids, draft_probs = self.spec.fill(batch)  # writes the drafts into the step
             logits, greedy = self.runner.execute(batch)  # [R, V], [R]: every verify row
-            sampled = verify(logits, row_settings(batch), greedy, draft_ids, draft_probs)
-            return self._copy_out(batch, sampled)  # [3, R]
+            verdict = verify(logits, row_settings(batch), greedy, draft_ids, draft_probs)
+            return self._copy_out(batch, StepSample(verdict, [], []))  # ids [3, R]
         logits, greedy = self.runner.execute(batch, fed_from)  # [S, V], [S]
-        temperatures = [s.params.temperature for s in batch.seqs]
-        if any(temperatures):
-            sampling = SamplingBatch(
-                temperatures=temperatures,
-                top_ks=[s.params.top_k for s in batch.seqs],
-                top_ps=[s.params.top_p for s in batch.seqs],
-                seeds=[s.seed for s in batch.seqs],
-                steps=batch.sample_steps,
-            )
-            sampled = sample(logits, sampling, greedy)  # [S] int64
-        else:
-            sampled = greedy  # every sequence greedy: the forward's argmax is the sample
-        return self._copy_out(batch, sampled)
+        step = sample_step(logits, greedy, batch, fed_from)  # ids [R] (+ logprobs) on the device
+        return self._copy_out(batch, step)
 
     @staticmethod
-    def _copy_out(batch: ScheduledBatch, sampled: torch.Tensor) -> _Launched:
-        """Start the copy of a step's sampled ids to the host (no wait)."""
-        if sampled.device.type != "cuda":
-            return _Launched(batch, sampled, sampled, None)
-        host = sampled.to("cpu", non_blocking=True)  # pinned by the caching host allocator
+    def _copy_out(batch: ScheduledBatch, step: StepSample) -> _Launched:
+        """Start the copy of a step's sampled ids (and logprobs) to the host (no wait)."""
+        if step.ids.device.type != "cuda":
+            return _Launched(batch, step.ids, step, None)
+        host = step.to_host()  # pinned by the caching host allocator
         done = torch.cuda.Event()
         done.record()
-        return _Launched(batch, sampled, host, done)
+        return _Launched(batch, step.ids, host, done)
 
     def generate(
         self,
@@ -624,38 +627,43 @@ class LLM:
                 ``{"role", "content"}`` messages; needs a tokenizer with a chat template). An
                 empty list returns an empty list.
             params: one SamplingParams for all, or one per prompt (default ``SamplingParams()``).
-            use_tqdm: show a progress bar (when tqdm is installed and there are several prompts):
-                generated tokens against the most the requests can generate, and requests done.
+            use_tqdm: show a progress bar (when tqdm is installed and there are several prompts
+                or samples): generated tokens against the most the requests can generate, and
+                sequences (samples) done.
+
+        Returns:
+            one :class:`RequestOutput` per prompt; its ``outputs`` holds every sample
+            (``SamplingParams.n``), ``outputs[0]`` the same as its top-level fields.
 
         Every argument is checked before any work (``TypeError``/``ValueError`` naming it). An
         exception or ``KeyboardInterrupt`` during the call drops its unfinished requests and frees
         their KV blocks; the LLM is ready for the next call.
         """
-        seqs = self._make_sequences(prompts, params)
-        metrics = GenerationMetrics(num_requests=len(seqs))
-        if not seqs:
+        requests = self._make_sequences(prompts, params)
+        metrics = GenerationMetrics(num_requests=len(requests))
+        if not requests:
             self.last_metrics = metrics
             return []
-        outputs = [RequestOutput(prompt_token_ids=list(s.tokens)) for s in seqs]
-        index = {s.seq_id: i for i, s in enumerate(seqs)}
-        metrics.num_prompt_tokens = sum(s.prompt_len for s in seqs)
+        samples = [seq for request in requests for seq in request]
+        index = {s.seq_id: i for i, request in enumerate(requests) for s in request}
+        first_token: list[float | None] = [None] * len(requests)
+        metrics.num_prompt_tokens = sum(request[0].prompt_len for request in requests)
         bar = None
-        if use_tqdm and len(seqs) > 1:
+        if use_tqdm and len(samples) > 1:
             spec_metrics = self.spec.metrics if self.spec is not None else None
-            bar = _TokenProgress(seqs, self.pa.max_model_len, spec_metrics)
+            bar = _TokenProgress(samples, self.pa.max_model_len, spec_metrics)
         start = time.perf_counter()
-        seen = dict.fromkeys(index, 0)  # seq id -> tokens generated so far
-        with contextlib.closing(self._run(seqs, metrics)) as steps:
+        seen = {s.seq_id: 0 for s in samples}  # tokens generated so far (a verify step: several)
+        with contextlib.closing(self._run([r[0] for r in requests], metrics)) as steps:
             try:
                 for advanced in steps:
                     now = time.perf_counter()
-                    new = 0  # a verify step gives a sequence several tokens
+                    new = 0
                     for seq in advanced:
-                        out = outputs[index[seq.seq_id]]
                         new += seq.num_generated - seen[seq.seq_id]
                         seen[seq.seq_id] = seq.num_generated
-                        if out.time_to_first_token is None:
-                            out.time_to_first_token = now - start
+                        if first_token[index[seq.seq_id]] is None:
+                            first_token[index[seq.seq_id]] = now - start
                     metrics.num_generated_tokens += new
                     if bar is not None:
                         bar.update(advanced, new, metrics)
@@ -663,14 +671,10 @@ class LLM:
                 if bar is not None:
                     bar.close()
         metrics.elapsed_s = time.perf_counter() - start
-        for seq, out in zip(seqs, outputs, strict=True):
-            out.token_ids, out.finish_reason = seq.output_ids, seq.finish_reason
-            out.num_preemptions, out.num_cached_tokens = seq.num_preemptions, seq.num_cached_tokens
-            if self.tokenizer is not None:
-                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        metrics.mean_time_to_first_token_s = sum(o.time_to_first_token for o in outputs) / len(
-            outputs
-        )
+        outputs = [request_output(request, self.tokenizer) for request in requests]
+        for out, ttft in zip(outputs, first_token, strict=True):
+            out.time_to_first_token = ttft
+        metrics.mean_time_to_first_token_s = sum(first_token) / len(outputs)  # type: ignore[arg-type]
         self.last_metrics = metrics
         return outputs
 
@@ -682,7 +686,9 @@ class LLM:
             params: its SamplingParams (default ``SamplingParams()``).
 
         The prompt and params are checked here, before the first chunk is asked for. Closing the
-        iterator early (``break``, ``.close()``) drops the request and frees its blocks.
+        iterator early (``break``, ``.close()``) drops the request and frees its blocks. One
+        sample per stream: ``params.n > 1`` raises ``ValueError`` (use :meth:`generate`). With
+        stop strings, text that could be the start of one is held back until it is not.
         """
         several = isinstance(prompt, (list, tuple)) and prompt and not is_chat(prompt)
         if several and all(isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompt):
@@ -692,7 +698,12 @@ class LLM:
             )
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        (seq,) = self._make_sequences([prompt], params)
+        if params is not None and params.n > 1:
+            raise ValueError(
+                f"stream yields one sample; got SamplingParams(n={params.n}): use generate for "
+                "several samples"
+            )
+        ((seq,),) = self._make_sequences([prompt], params)
         return self._stream(seq)
 
     def _stream(self, seq: Seq) -> Iterator[StreamChunk]:
@@ -708,17 +719,24 @@ class LLM:
                 metrics.num_generated_tokens = seq.num_generated
                 metrics.elapsed_s = time.perf_counter() - start
                 self.last_metrics = metrics
-                for n in range(first + 1, seq.num_generated + 1):
+                for n in range(first + 1, seq.num_generated + 1):  # a verify step: several
+                    last = n == seq.num_generated
                     text = None
-                    if self.tokenizer is not None:
+                    if seq.stop_strings is not None:  # decoded already; may hold back a stop
+                        text = ""
+                        if last:
+                            full = seq.stop_strings.visible_text(seq.finish_reason is not None)
+                            text, shown = full[len(shown) :], full
+                    elif self.tokenizer is not None:
                         full = self.tokenizer.decode(seq.output_ids[:n], skip_special_tokens=True)
                         if not full.endswith("\ufffd"):  # hold back an incomplete character
                             text, shown = full[len(shown) :], full
                         else:
                             text = ""
-                    last = n == seq.num_generated
+                    logprob = seq.logprobs[n - 1] if seq.logprobs else None
                     token = seq.tokens[seq.prompt_len + n - 1]
-                    yield StreamChunk(token, text, seq.finish_reason if last else None)
+                    reason = seq.finish_reason if last else None
+                    yield StreamChunk(token, text, reason, logprob)
 
     # ---- lifetime ----
 

@@ -14,31 +14,15 @@ import torch
 
 from paged_ops.engine.sampler import (
     SamplingBatch,
-    _apply_top_k_top_p,
     counter_uniform,
     host_to_device,
+    processed_logits,
 )
 
 # XOR-ed into a request's seed so that each use draws independent noise
 ACCEPT_SALT = 0x5BD1E995
 RESIDUAL_SALT = 0x27D4EB2F
 DRAFT_SALT = 0x165667B1
-
-
-def processed_logits(logits: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
-    """Temperature, then top-k / top-p (``-inf`` outside the kept set), as the sampler does.
-
-    Args:
-        logits: ``[R, V]``; greedy rows (temperature 0) get temperature 1.
-    Returns:
-        ``[R, V]`` float32.
-    """
-    dev = logits.device
-    temps = host_to_device([t if t > 0 else 1.0 for t in rows.temperatures], torch.float32, dev)
-    out = logits.float() / temps[:, None]
-    if any(k > 0 for k in rows.top_ks) or any(p < 1.0 for p in rows.top_ps):
-        out = _apply_top_k_top_p(out, rows.top_ks, rows.top_ps)
-    return out
 
 
 def _gumbel_argmax(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,16 @@ A sequence that joins looks its full blocks up and shares the hits instead of re
 always keeps at least one token to compute, so the step has logits to sample from. Blocks filled by
 generated tokens are registered as well, which makes a preempted sequence's recompute cheap.
 
+Several samples of one prompt (``SamplingParams.n``): the request enters as its first sample, which
+carries the others (``Sequence.children``) and reserves seats for them. The step that completes
+its prompt samples a first token for every sample from the same logits (``ScheduledBatch.forks``),
+and :meth:`Scheduler.postprocess` forks the others off: each shares the prompt's full blocks
+(one more reference each in the allocator, never recomputed) and recomputes only the tokens of the
+last, partial prompt block into a block of its own, together with its first token, in its next
+step; a prompt that ends on a block boundary shares every block. From there each sample is a
+sequence of its own (preempted and recomputed alone, finishing alone). This needs neither the
+prefix cache nor a device-side block copy.
+
 Overlapped decode (:meth:`Scheduler.schedule_ahead`): while a step runs on the device, the next
 decode step of the same sequences can be scheduled before the step's sampled tokens are known. Its
 input ids are those sampled tokens, fed on the device; each sequence is one token "pending" until
@@ -31,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged_ops.cache import BlockAllocator, blocks_needed
-from paged_ops.engine.params import SamplingParams
+from paged_ops.engine.params import SamplingParams, TokenLogprob
+from paged_ops.engine.stop import StopStrings
 from paged_ops.metadata import SequenceSlice
 
 
@@ -63,6 +74,15 @@ class Sequence:
     # speculator's per-request state (``None`` without speculation).
     num_draft: int = 0
     spec: Any = None
+    index: int = 0  # which sample of its request (SamplingParams.n)
+    children: list[Sequence] = field(default_factory=list)  # samples forked off after the prompt
+    logprobs: list[TokenLogprob] | None = None  # one per generated token (SamplingParams.logprobs)
+    stop_strings: StopStrings | None = None  # SamplingParams.stop
+
+    @property
+    def num_seats(self) -> int:
+        """Seats the sequence takes when it joins: its own and its samples' to be forked."""
+        return 1 + len(self.children)
 
     @property
     def num_generated(self) -> int:
@@ -105,6 +125,10 @@ class ScheduledBatch:
                 rows.append(start + n - 1)
             start += n
         return rows
+
+    # Samples forked off when their prompt completes in this step: (row of the prompt's sequence,
+    # forked sample). The step samples one token per row of seqs, then one per fork, in order.
+    forks: list[tuple[int, Sequence]] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -222,8 +246,9 @@ class Scheduler:
             budget -= n
             i += 1
         # Newcomers join only when nobody had to be preempted (else they would evict each other).
+        seats = self._seats_taken() if self.waiting else 0
         while not preempted and self.waiting and budget > 0:
-            if len(self.running) >= self.max_num_seqs:
+            if seats + self.waiting[0].num_seats > self.max_num_seqs:
                 break
             seq = self.waiting[0]
             if not seq.block_ids and self.prefix_caching:
@@ -237,22 +262,26 @@ class Scheduler:
             seq.num_cached_tokens += seq.num_computed  # what the prefix cache gave
             self.num_cached_blocks += seq.num_computed // self.block_size
             self.waiting.popleft()
+            seats += seq.num_seats
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
             picked.append((seq, n))
             budget -= n
-        slices, input_ids = [], []
-        for j, (seq, n) in enumerate(picked):
-            k = drafts.get(j, 0)
+        slices, input_ids, forks = [], [], []
+        for row, (seq, n) in enumerate(picked):
+            k = drafts.get(row, 0)
             self.num_prefill_chunks += seq.num_computed + n - k < len(seq.tokens)
             slices.append(SequenceSlice(seq.block_ids, seq.num_computed, n))
             input_ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n - k])
             input_ids.extend([0] * k)  # the drafts, written by the speculator
+            if seq.children and seq.num_computed + n == len(seq.tokens):
+                forks += [(row, child) for child in seq.children]
         return ScheduledBatch(
             seqs=[s for s, _ in picked],
             num_new=[n for _, n in picked],
             slices=slices,
             input_ids=input_ids,
+            forks=forks,
             num_draft=[drafts.get(j, 0) for j in range(len(picked))] if drafts else None,
         )
 
@@ -292,7 +321,7 @@ class Scheduler:
             return None  # how many tokens each sequence gets is known only once it is read
         if sum(s.status is SeqStatus.RUNNING for s in running.seqs) != len(self.running):
             return None
-        if self.waiting and len(self.running) < self.max_num_seqs:
+        if self.waiting and self._seats_taken() < self.max_num_seqs:
             return None
         rows: list[int] = []
         starts: list[int] = []  # position of each row's new token
@@ -334,55 +363,81 @@ class Scheduler:
         self,
         batch: ScheduledBatch,
         sampled: list[int],
+        logprobs: list[TokenLogprob | None] | None = None,
         accepted: list[list[int]] | None = None,
     ) -> list[Sequence]:
-        """Account for a step that ran: append sampled tokens, finish and free sequences.
+        """Account for a step that ran: append sampled tokens, fork samples, finish and free.
 
-        ``sampled[i]`` is the token drawn for ``batch.seqs[i]``; it is dropped for a sequence whose
-        step was a prompt chunk that did not reach the end of its known tokens, and for one that
-        already finished (a step scheduled ahead, see :meth:`schedule_ahead`). For a step that
-        verified drafts, ``accepted[i]`` are the drafts row ``i`` accepted: they come before
-        ``sampled[i]``, the rejected drafts' KV is rolled back (the sequence's computed length
-        stops after the accepted ones, so their slots are rewritten later) and blocks past what
-        the sequence now needs are freed. Stop tokens and length limits apply token by token.
-        Steps must be postprocessed in the order they were scheduled. Returns the sequences that
-        got at least one new token.
+        ``sampled[i]`` is the token drawn for ``batch.seqs[i]``, then one per ``batch.forks``
+        entry; it is dropped for a sequence whose step was a prompt chunk that did not reach the
+        end of its known tokens, and for one that already finished (a step scheduled ahead, see
+        :meth:`schedule_ahead`). ``logprobs``, when given, has an entry per entry of ``sampled``,
+        appended to ``Sequence.logprobs`` with the token. For a step that verified drafts,
+        ``accepted[i]`` are the drafts row ``i`` accepted: they come before ``sampled[i]``, the
+        rejected drafts' KV is rolled back (the sequence's computed length stops after the
+        accepted ones, so their slots are rewritten later) and blocks past what the sequence now
+        needs are freed; stop tokens and length limits apply token by token (speculation never
+        runs a step with logprobs or forks). Steps must be postprocessed in the order they were
+        scheduled. Returns the sequences that got a new token (forked samples included).
         """
-        advanced = []
-        for i, (seq, n, token) in enumerate(zip(batch.seqs, batch.num_new, sampled, strict=True)):
+        rows = len(batch.seqs)
+        if len(sampled) != rows + len(batch.forks):
+            raise ValueError(
+                f"{len(sampled)} sampled ids for {rows} rows + {len(batch.forks)} forks"
+            )
+        extra: list[Any] = list(logprobs) if logprobs is not None else [None] * len(sampled)
+        advanced: list[Sequence] = []
+        finishing: list[tuple[Sequence, str]] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True)):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # stopped in the previous step; this row was scheduled ahead of that
-            new = [token]
             verified = batch.num_draft is not None and batch.num_draft[i] > 0
+            kept = accepted[i] if verified and accepted is not None else []
             if verified:
-                new = [*accepted[i], token] if accepted is not None else new
-                n = len(new)  # the last known token and the accepted drafts: KV kept
+                n = len(kept) + 1  # the last known token and the accepted drafts: KV kept
             seq.num_computed += n
             if self.prefix_caching:
                 self._register_full_blocks(seq)
             if seq.num_computed < len(seq.tokens):
                 continue  # a prompt chunk: more of the prompt to go before sampling
-            advanced.append(seq)
             reason = None
-            for token in new:
-                seq.tokens.append(token)
-                if token in seq.stop_ids:
-                    reason = "stop"
-                elif self._reaches_length(seq, len(seq.tokens)):
-                    reason = "length"
+            for token, logprob in zip(
+                [*kept, sampled[i]], [*[None] * len(kept), extra[i]], strict=True
+            ):
+                _append(seq, token, logprob)
+                reason = self._finish_reason(seq)
                 if reason is not None:
-                    break
+                    break  # drafts accepted after a stop token are dropped
+            advanced.append(seq)
             if reason is not None:
-                self.finish(seq, reason)
+                finishing.append((seq, reason))
             elif verified:
                 self._trim_blocks(seq)
+        for j, (row, child) in enumerate(batch.forks):  # before a finished parent frees blocks
+            self._fork(batch.seqs[row], child)
+            _append(child, sampled[rows + j], extra[rows + j])
+            advanced.append(child)
+            reason = self._finish_reason(child)
+            if reason is not None:
+                finishing.append((child, reason))
+        for seq, reason in finishing:
+            self.finish(seq, reason)
         return advanced
 
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        """ "stop" when the last token is a stop token, "length" at a length limit, else None."""
+        if seq.tokens[-1] in seq.stop_ids:
+            return "stop"
+        return "length" if self._reaches_length(seq, len(seq.tokens)) else None
+
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a running sequence now (``finish_reason = reason``) and free its blocks."""
+        """End ``seq`` now with ``finish_reason = reason``: it leaves the running set and its
+        blocks go back to the allocator at once. A sequence that already finished takes the new
+        reason (e.g. a stop string completed by the token that reached the length limit)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._drop_blocks(seq)
         seq.finish_reason, seq.status = reason, SeqStatus.FINISHED
-        self.running.remove(seq)
-        self._drop_blocks(seq)
 
     def _trim_blocks(self, seq: Sequence) -> None:
         """Free the blocks a verify step reserved past what the sequence's tokens need."""
@@ -392,6 +447,23 @@ class Scheduler:
             del seq.block_ids[keep:]
 
     # ---- helpers ----
+
+    def _seats_taken(self) -> int:
+        """Running sequences and the samples they will fork off (those have their seats)."""
+        return len(self.running) + sum([len(s.children) for s in self.running])
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start sample ``child`` of ``parent``'s request, whose prompt just completed: it shares
+        the prompt's full blocks and recomputes the last, partial block's tokens itself."""
+        parent.children.remove(child)
+        full = parent.prompt_len // self.block_size
+        shared = parent.block_ids[:full]
+        self.allocator.share(shared)
+        child.tokens = parent.tokens[: parent.prompt_len]
+        child.block_ids, child.block_hashes = list(shared), parent.block_hashes[:full]
+        child.num_computed = full * self.block_size
+        child.status = SeqStatus.RUNNING
+        bisect.insort(self.running, child, key=lambda s: s.seq_id)
 
     def _reaches_length(self, seq: Sequence, length: int) -> bool:
         """Whether ``seq`` is done on length once it holds ``length`` tokens."""
@@ -434,3 +506,10 @@ class Scheduler:
             h = self._block_hash(seq, j)
             self.allocator.register_prefix(seq.block_ids[j], h)
             seq.block_hashes.append(h)
+
+
+def _append(seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+    seq.tokens.append(token)
+    if seq.logprobs is not None:
+        assert logprob is not None, "a sequence with logprobs got a token without"
+        seq.logprobs.append(logprob)

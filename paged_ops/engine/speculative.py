@@ -65,8 +65,9 @@ class SpeculativeConfig:
         min_mean_accepted: a request whose moving average of accepted drafts per verify step
             falls below this stops speculating for a while (16 to 256 generated tokens).
 
-    Requests with repetition/presence/frequency penalties do not speculate (their penalties
-    depend on every token before the one sampled).
+    A step verifies drafts only when none of the requests running or waiting uses penalties,
+    ``logprobs`` or has samples still to fork (``n > 1`` before its prompt completes); such
+    requests run plain decode steps (and so does everything beside them while they run).
 
     Example:
         >>> LLM(model, tok, speculative=SpeculativeConfig(method="ngram", num_tokens=4))
@@ -214,13 +215,8 @@ class SpecMetrics:
 
 
 def spec_eligible(seq: Any) -> bool:
-    """Whether a request may speculate at all (penalties depend on every earlier token)."""
+    """Whether a request may be in a verify step: no penalties (they depend on every earlier
+    token, drafts included), no log-probabilities (a verify step reports none) and no samples
+    still to fork (``SamplingParams.n``: forks happen in plain steps)."""
     p = seq.params
-    return not any(
-        getattr(p, name, default) != default
-        for name, default in (
-            ("repetition_penalty", 1.0),
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-        )
-    )
+    return not (p.has_penalties or p.logprobs is not None or seq.children)

@@ -20,6 +20,7 @@ sequence is known only once its result is read):
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 
 import torch
 
@@ -64,8 +65,9 @@ class Speculator:
             seq.spec = SpecState(proposer=proposer)
         return seq.spec
 
-    def plan(self, running: list[Seq]) -> bool:
-        """Set ``num_draft`` of every running sequence for the next step; whether any drafts."""
+    def plan(self, running: list[Seq], waiting: Iterable[Seq] = ()) -> bool:
+        """Set ``num_draft`` of every running sequence for the next step; whether any drafts.
+        ``waiting``: the requests that may join the step (none may need a plain step)."""
         for seq in running:
             seq.num_draft = 0
             state = self._state(seq)
@@ -73,14 +75,14 @@ class Speculator:
         self._steps += 1
         if len(running) > self.config.disable_by_batch_size:
             return False
+        if not all(map(spec_eligible, itertools.chain(running, waiting))):
+            return False  # a plain step for every one: logprobs, penalties or forks need it
         decoding = [seq for seq in running if seq.num_computed + 1 == len(seq.tokens)]
         probe_step = self._steps % _PROBE_EVERY == 0
         candidates = [
             seq
             for seq in decoding
-            if seq.num_generated >= seq.spec.off_until
-            and (probe_step or not seq.spec.backed_off)
-            and spec_eligible(seq)
+            if seq.num_generated >= seq.spec.off_until and (probe_step or not seq.spec.backed_off)
         ]
         if not candidates:
             return False
@@ -101,13 +103,14 @@ class Speculator:
         """Whether the next step could verify drafts (then no step is scheduled ahead)."""
         if len(running) > self.config.disable_by_batch_size:
             return False
+        if not all(map(spec_eligible, running)):
+            return False
         probe_step = (self._steps + 1) % _PROBE_EVERY == 0  # as plan() will count it
         return any(
             seq.spec is None
             or (
                 seq.num_generated + 1 >= seq.spec.off_until
                 and (probe_step or not seq.spec.backed_off)
-                and spec_eligible(seq)
             )
             for seq in running
         )
