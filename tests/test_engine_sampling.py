@@ -372,7 +372,9 @@ def test_logprobs_are_log_softmax_of_the_models_raw_logits(model, overlap):
     batched = outs[1].outputs[0].logprobs
     # one request alone vs in a batch: float32 sums may round differently (thread count)
     assert [lp.token_id for lp in streamed] == [lp.token_id for lp in batched]
-    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in batched], abs=1e-5)
+    assert [lp.logprob for lp in streamed] == pytest.approx(
+        [lp.logprob for lp in batched], abs=1e-5
+    )
     assert [lp.top for lp in streamed] == [lp.top for lp in batched]  # k = 0: both empty
 
 
