@@ -88,6 +88,7 @@ def bind(
     model: nn.Module, pa: PagedAttention, modules: list[nn.Module], original_config: Any | None
 ) -> None:
     """Attach ``pa`` to the model's attention modules, its decoder and its config."""
+    pa.routing.restore()  # a PagedAttention unbound before (e.g. by a failed LLM) is bound again
     for m in modules:
         object.__setattr__(m, PA_ATTR, pa)  # not a submodule: state dict and .to() unchanged
     decoder = model.get_decoder()
@@ -102,6 +103,7 @@ def unbind(model: nn.Module) -> Binding:
     if binding is None:
         raise ValueError("the model is not patched by paged_ops")
     binding.hook.remove()
+    binding.pa.routing.release()  # the registry would keep its planners (and their buffers)
     for m in attention_modules(model):
         m.__dict__.pop(PA_ATTR, None)
     _BY_CONFIG.pop(id(model.config), None)

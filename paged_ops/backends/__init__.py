@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -167,11 +168,13 @@ def resolve_backend(
 # Backend state that is not a tensor (FlashInfer's planned wrappers) is held by its owner and reached
 # from inside an op through a small integer handle, a constant of the trace.
 _PLAN_STATES: dict[int, Any] = {}
+_NEXT_HANDLE = itertools.count()  # never reused: a released handle never names another state
 
 
 def register_plan_state(state: Any) -> int:
-    """Store ``state`` and return the integer handle an op will receive as ``plan_handle``."""
-    handle = max(_PLAN_STATES, default=-1) + 1
+    """Store ``state`` and return the integer handle an op will receive as ``plan_handle``;
+    :func:`release_plan_state` drops it (the PagedAttention does when it is unbound)."""
+    handle = next(_NEXT_HANDLE)
     _PLAN_STATES[handle] = state
     return handle
 
@@ -184,3 +187,8 @@ def get_plan_state(handle: int) -> Any:
 
 def release_plan_state(handle: int) -> None:
     _PLAN_STATES.pop(handle, None)
+
+
+def restore_plan_state(handle: int, state: Any) -> None:
+    """Put a released state back under its own handle (handles are never reused)."""
+    _PLAN_STATES[handle] = state

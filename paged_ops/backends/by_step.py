@@ -28,7 +28,9 @@ from paged_ops.backends import (
     get_backend,
     get_plan_state,
     register_plan_state,
+    release_plan_state,
     resolve_backend,
+    restore_plan_state,
 )
 from paged_ops.backends.cost_table import AutoPolicy, uniform_policy
 from paged_ops.metadata import STEP_KINDS, AttentionMetadata
@@ -110,6 +112,26 @@ class LayerRouting:
             route = (BY_STEP, group.router.handle) if group.router else group.route("decode")
             for i in group.layers:
                 self.layer_routes[i] = route
+
+    def _states(self) -> list[Any]:
+        """The registered states: every planner and router (each has its ``handle``)."""
+        out: list[Any] = []
+        for group in self.groups:
+            out += group.planners.values()
+            if group.router is not None:
+                out.append(group.router)
+        return out
+
+    def release(self) -> None:
+        """Drop the planners' and routers' registered states (FlashInfer's workspace buffers and
+        plans, once nothing else holds them); :meth:`restore` puts them back."""
+        for state in self._states():
+            release_plan_state(state.handle)
+
+    def restore(self) -> None:
+        """Register the states :meth:`release` dropped again, under their own handles."""
+        for state in self._states():
+            restore_plan_state(state.handle, state)
 
     def routes(self, kind: str) -> list[tuple[str, int]]:
         """``(backend, plan handle)`` of each layer for a step of ``kind`` (of any size)."""
