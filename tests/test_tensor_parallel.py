@@ -93,14 +93,17 @@ def single(model_dir) -> dict[str, Any]:
     with LLM(model, compile=False, num_blocks=64, **tp_worker.SIZES) as llm:
         greedy = tp_worker.tokens(llm.generate(tp_worker.PROMPTS, tp_worker.GREEDY))
         seeded = tp_worker.tokens(llm.generate(tp_worker.PROMPTS, tp_worker.SEEDED))
+        long = tp_worker.tokens(llm.generate(tp_worker.PROMPTS, tp_worker.LONG))
         cache = list(llm.pa.kv_cache.layers[0].shape)
-    return dict(greedy=greedy, seeded=seeded, cache=cache)
+    return dict(greedy=greedy, seeded=seeded, long=long, cache=cache)
 
 
 @needs_gloo
 def test_greedy_tokens_on_two_ranks_equal_the_single_process_run(ranks, single):
     for seen in ranks:  # rank 1 passed other prompts: rank 0's ran, and both return them
-        assert result(seen, "greedy_and_sampled")["greedy"] == single["greedy"]
+        got = result(seen, "greedy_and_sampled")
+        assert got["greedy"] == single["greedy"]
+        assert got["overlapped"] > 0  # decode steps queued ahead of reading the broadcast ids
 
 
 @needs_gloo
@@ -142,6 +145,13 @@ def test_compiled_forward_holds_the_all_reduces_and_does_not_recompile(ranks, si
         assert got["tokens"] == single["greedy"] + single["greedy"][1:3]
         assert got["graphs"] == 1  # fullgraph: prefill, mixed and decode in one graph
         assert any("all_reduce" in op for op in got["collectives"]), got["collectives"]
+
+
+@needs_gloo
+def test_ngram_speculation_broadcasts_verify_steps_and_keeps_the_greedy_tokens(ranks, single):
+    for seen in ranks:
+        got = result(seen, "ngram_speculation")
+        assert got["tokens"] == single["long"] and got["drafted"] > 0
 
 
 @needs_gloo

@@ -19,12 +19,13 @@ import transformers
 from torch._dynamo import lookup_backend
 from torch._dynamo.utils import counters
 
-from paged_ops import LLM, SamplingParams
+from paged_ops import LLM, SamplingParams, SpeculativeConfig
 from paged_ops.engine import runner
 
 SIZES = dict(backend="reference", block_size=4, max_num_seqs=8, max_model_len=64)
 GREEDY = SamplingParams(max_new_tokens=12)
 SEEDED = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, seed=7)
+LONG = SamplingParams(max_new_tokens=24)
 
 
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
@@ -50,11 +51,19 @@ def greedy_and_sampled(root: Path, rank: int) -> dict[str, Any]:
         # rank 0's prompts are the ones that run: the other ranks' are not read
         mine = PROMPTS if rank == 0 else PROMPTS[:1]
         greedy = tokens(llm.generate(mine, GREEDY, use_tqdm=False))
+        overlapped = llm.last_metrics.num_overlapped_steps
         seeded = tokens(llm.generate(PROMPTS, SEEDED, use_tqdm=False))
         unseeded = tokens(llm.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0)))
         cache = list(llm.pa.kv_cache.layers[0].shape)
         heads = [llm.pa.num_q_heads, llm.pa.num_kv_heads]
-    return dict(greedy=greedy, seeded=seeded, unseeded=unseeded, cache=cache, heads=heads)
+    return dict(
+        greedy=greedy,
+        overlapped=overlapped,
+        seeded=seeded,
+        unseeded=unseeded,
+        cache=cache,
+        heads=heads,
+    )
 
 
 def pressure(root: Path, rank: int) -> dict[str, Any]:
@@ -88,6 +97,14 @@ def compiled(root: Path, rank: int) -> dict[str, Any]:
     return dict(tokens=out, graphs=counters["stats"]["unique_graphs"], collectives=collectives)
 
 
+def ngram_speculation(root: Path, rank: int) -> dict[str, Any]:
+    # a verify step's sampled tensor is [3, R]: broadcast like a plain step's [S]
+    spec = SpeculativeConfig("ngram", num_tokens=4)
+    with LLM(load(root / "gqa"), compile=False, num_blocks=64, speculative=spec, **SIZES) as llm:
+        out = tokens(llm.generate(PROMPTS, LONG, use_tqdm=False))
+        return dict(tokens=out, drafted=llm.last_metrics.num_draft_tokens)
+
+
 def disagreeing_sizes(root: Path, rank: int) -> None:
     LLM(load(root / "gqa"), compile=False, num_blocks=64 + rank, **SIZES)
 
@@ -100,7 +117,15 @@ def one_kv_head(root: Path, rank: int) -> None:
     LLM(load(root / "mqa"), compile=False, num_blocks=64, **SIZES)
 
 
-SCENARIOS = [greedy_and_sampled, pressure, compiled, disagreeing_sizes, not_sharded, one_kv_head]
+SCENARIOS = [
+    greedy_and_sampled,
+    pressure,
+    compiled,
+    ngram_speculation,
+    disagreeing_sizes,
+    not_sharded,
+    one_kv_head,
+]
 
 
 def main(root: Path, out: Path) -> None:
