@@ -27,6 +27,7 @@ from paged_ops.integrations.hf_families import (
     check_supported,
     new_paged_attention,
     refusal,
+    tensor_parallel_size,
 )
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -136,7 +137,13 @@ def paged_attention_of(model: nn.Module, *, create: bool = False) -> PagedAttent
         raise ValueError(refusal(str(err))) from None
     if pa is None:
         param = next(model.parameters())
-        pa = new_paged_attention(modules, config, dtype=param.dtype, device=param.device)
+        pa = new_paged_attention(
+            modules,
+            config,
+            dtype=param.dtype,
+            device=param.device,
+            tp_size=tensor_parallel_size(model),
+        )
     bind(model, pa, modules, None)
     return pa
 
@@ -163,7 +170,8 @@ def pa_for_forward(config: Any, dtype: torch.dtype, device: torch.device) -> Pag
         modules = check_supported(shadow)
     except ValueError as err:
         raise ValueError(refusal(str(err))) from None
-    pa = new_paged_attention(modules, config, dtype=dtype, device=device)
+    tp_size = tensor_parallel_size(config)  # the meta shadow is whole; the config knows the ranks
+    pa = new_paged_attention(modules, config, dtype=dtype, device=device, tp_size=tp_size)
     _register_config(config, pa)
     return pa
 

@@ -146,6 +146,56 @@ def check_call(cfg: LayerConfig, layer_idx: int, kwargs: dict[str, Any], has_sin
         )
 
 
+def tensor_parallel_size(model: nn.Module | Any) -> int:
+    """How many ranks the heads of ``model`` (or of the model running with this config) are
+    sharded over: the ``tp_size`` transformers records when ``from_pretrained(..., tp_plan=...)``
+    shards a model under ``torchrun`` (1 otherwise)."""
+    size = getattr(model, "_tp_size", None)
+    if size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        size = getattr(getattr(model, "distributed_config", None), "tp_size", None)
+    return int(size or 1)
+
+
+def _local_rows(module: nn.Module | None) -> int | None:
+    """Output rows of this rank's shard of a linear's weight (``None`` unless a DTensor)."""
+    weight = getattr(module, "weight", None)
+    return int(weight.to_local().shape[0]) if hasattr(weight, "to_local") else None
+
+
+def local_heads(modules: list[nn.Module], config: Any, tp_size: int = 1) -> tuple[int, int]:
+    """``(query heads, KV heads)`` that one rank's attention computes.
+
+    transformers' tp plan shards ``q_proj``/``k_proj``/``v_proj`` column-wise: each of ``tp_size``
+    ranks holds ``Hq / tp_size`` query and ``Hkv / tp_size`` KV heads. It does not replicate KV
+    heads (5.17 and 5.24: over more ranks than KV heads a head is split, and the model's own
+    reshape fails), so a ``tp_size`` that does not divide both counts is a ``ValueError``; so are
+    sharded projections (DTensor weights) that hold another number of heads (a custom plan).
+    """
+    num_q = int(config.num_attention_heads)
+    num_kv = int(getattr(config, "num_key_value_heads", None) or num_q)
+    if tp_size == 1:
+        return num_q, num_kv
+    if num_q % tp_size or num_kv % tp_size:
+        raise ValueError(
+            f"tensor parallelism over {tp_size} ranks needs the query heads ({num_q}) and the KV "
+            f"heads ({num_kv}) to be multiples of {tp_size}: the tp plan shards q/k/v "
+            "column-wise and would split a KV head (neither transformers nor paged_ops "
+            f"replicates KV heads). Run on a number of processes that divides {num_kv}"
+        )
+    want = {"q_proj": num_q // tp_size, "k_proj": num_kv // tp_size, "v_proj": num_kv // tp_size}
+    for i, module in enumerate(modules):
+        head_dim = int(module.head_dim)
+        for name, heads in want.items():
+            rows = _local_rows(getattr(module, name, None))
+            if rows is not None and rows != heads * head_dim:
+                raise ValueError(
+                    f"layer {i}: {name} holds {rows} output rows on this rank, expected {heads} "
+                    f"heads x {head_dim} (the config's heads over {tp_size} ranks); paged_ops "
+                    "serves tp plans that shard q/k/v column-wise by heads (tp_plan='auto')"
+                )
+    return want["q_proj"], want["k_proj"]
+
+
 def new_paged_attention(
     modules: list[nn.Module],
     config: Any,
@@ -160,9 +210,11 @@ def new_paged_attention(
     max_num_tokens: int | None = None,
     kv_cache_dtype: torch.dtype | str | None = None,
     calculate_kv_scales: bool = False,
+    tp_size: int = 1,
 ) -> PagedAttention:
     """A PagedAttention for a model with these attention modules (defaults sized from config).
 
+    The cache holds one rank's heads of a model sharded over ``tp_size`` ranks (:func:`local_heads`).
     Defaults: ``max_model_len = min(max_position_embeddings, 4096)``; ``num_blocks`` holds
     ``min(max_num_seqs, 8)`` sequences of ``max_model_len`` tokens. An FP8 cache takes the
     checkpoint's KV scales when its attention modules carry them (:func:`checkpoint_kv_scales`).
@@ -176,11 +228,12 @@ def new_paged_attention(
         num_blocks = blocks_needed(max_model_len, block_size) * min(
             max_num_seqs, DEFAULT_CACHE_SEQS
         )
+    num_q_heads, num_kv_heads = local_heads(modules, config, tp_size)
     with torch.inference_mode(False):  # a cache made under inference_mode must serve later too
         pa = PagedAttention(
             num_layers=len(modules),
-            num_q_heads=config.num_attention_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=int(modules[0].head_dim),
             layers=[layer_config(m, config) for m in modules],
             block_size=block_size,

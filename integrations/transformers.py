@@ -43,6 +43,7 @@ from paged_ops.integrations.hf_families import (
     check_supported,
     new_paged_attention,
     refusal,
+    tensor_parallel_size,
 )
 from torch import nn
 
@@ -159,7 +160,9 @@ def patch_model(
             per-head K/V amax and fixes the scales (see :class:`PagedAttention`); later tokens
             beyond twice that range saturate.
 
-    The cache has the model's parameter dtype and device (patch after ``.to(device)``). The model
+    The cache has the model's parameter dtype and device (patch after ``.to(device)``); for a model
+    sharded by ``from_pretrained(..., tp_plan="auto")`` under ``torchrun`` it holds this rank's
+    heads (``ValueError`` when the world size does not divide the KV heads). The model
     keeps working as a transformers model (``model(...)``, ``generate``); it patches a private
     copy of the config, so other models built from the same config object are untouched and
     ``save_pretrained`` writes the config as it was.
@@ -191,6 +194,7 @@ def patch_model(
         max_num_tokens=max_num_tokens,
         kv_cache_dtype=kv_cache_dtype,
         calculate_kv_scales=calculate_kv_scales,
+        tp_size=tensor_parallel_size(model),
     )
     if binding is not None:
         unbind(

@@ -234,3 +234,28 @@ def _check_index_values(
             f"block_table holds block ids out of range: expected [0, {num_blocks}), got "
             f"[{int(ids.min())}, {int(ids.max())}]"
         )
+
+
+def check_layer_heads(
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    num_q_heads: int,
+) -> None:
+    """PagedAttention's per-call check: q ``[T, Hq, D]`` and k/v ``[T, Hkv, D]`` have the heads the
+    layer's cache ``[N, 2, B, Hkv, D]`` was sized for. It reads static shapes only, so under
+    ``torch.compile`` it runs once per trace (no guard, no graph break) and costs nothing at run
+    time; eagerly it is a few integer comparisons."""
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    got = (tuple(query.shape[1:]), tuple(key.shape[1:]), tuple(value.shape[1:]))
+    want = ((num_q_heads, head_dim), (num_kv_heads, head_dim), (num_kv_heads, head_dim))
+    if got != want:
+        raise ValueError(
+            f"layer {layer_idx}: attention got query [T, {got[0][0]}, {got[0][1]}], key "
+            f"[T, {got[1][0]}, {got[1][1]}] and value [T, {got[2][0]}, {got[2][1]}], but its cache "
+            f"was sized for {num_q_heads} query heads and {num_kv_heads} KV heads of size "
+            f"{head_dim}: build the PagedAttention with the heads the layer computes (a "
+            "tensor-parallel model's per-rank heads; patch_model reads them from the sharded model)"
+        )

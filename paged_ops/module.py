@@ -15,6 +15,7 @@ from torch import nn
 from paged_ops.backends import LayerSpec, resolve_backend
 from paged_ops.backends.by_step import LayerRouting, is_planned
 from paged_ops.cache import BlockAllocator, KVCache, OutOfBlocksError, blocks_needed
+from paged_ops.checks import check_layer_heads
 from paged_ops.fp8 import fp8_max, is_fp8, resolve_kv_cache_dtype
 from paged_ops.metadata import AttentionMetadata, MetadataBuilder, SequenceSlice
 
@@ -360,6 +361,7 @@ class PagedAttention(nn.Module):
             raise RuntimeError("PagedAttention.prepare() must run before the forward")
         cfg = self.layers[layer_idx]
         cache = self.kv_cache.layers[layer_idx]  # [N, 2, B, Hkv, D]
+        check_layer_heads(layer_idx, query, key, value, cache, self.num_q_heads)
         backend, handle = self.layer_routes[layer_idx]
         if md.has_padding_queries or md.computed_on_device:  # nothing planned for the step
             backend, handle = self.padding_backends[layer_idx], -1

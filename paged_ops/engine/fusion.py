@@ -34,7 +34,13 @@ _LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
 def _plain_linear(module: nn.Module | None) -> bool:
-    return type(module) is nn.Linear and module.weight.dtype.is_floating_point
+    # A tensor-parallel model's weights are DTensors (a subclass, not nn.Parameter): transformers'
+    # hooks swap in their local shards per forward, so a stacked buffer would not be used.
+    return (
+        type(module) is nn.Linear
+        and type(module.weight) is nn.Parameter
+        and module.weight.dtype.is_floating_point
+    )
 
 
 def stack_projection_weights(model: nn.Module) -> list[tuple[nn.Linear, ...]]:

@@ -20,6 +20,7 @@ from torch import nn
 from paged_ops.cache import KVCache, blocks_needed
 from paged_ops.engine import fusion
 from paged_ops.engine.compile_cache import configure_compile_caches
+from paged_ops.engine.distributed import TensorParallel, tp_size
 from paged_ops.engine.draft import DraftModel, check_draft_model
 from paged_ops.engine.inputs import (
     check_llm_args,
@@ -81,10 +82,11 @@ def _token_ids(value: Any) -> set[int]:
 
 def _cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
     cfg = model.config
+    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     return KVCache.bytes_per_block(
         num_layers=cfg.num_hidden_layers,
         block_size=block_size,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        num_kv_heads=max(num_kv_heads // tp_size(model), 1),  # this rank's heads
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         dtype=dtype,
     )
@@ -125,6 +127,23 @@ def _profile_num_blocks(
             f"({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB)"
         )
     return int(budget // per_block)
+
+
+def _geometry(pa: PagedAttention) -> dict[str, Any]:
+    """What every rank's PagedAttention must agree on to run the same schedule and forward."""
+    return dict(
+        num_layers=pa.kv_cache.num_layers,
+        num_q_heads=pa.num_q_heads,
+        num_kv_heads=pa.num_kv_heads,
+        head_dim=pa.head_dim,
+        block_size=pa.block_size,
+        num_blocks=pa.kv_cache.num_blocks,
+        max_num_seqs=pa.builder.max_num_seqs,
+        max_num_tokens=pa.builder.max_num_tokens,
+        max_model_len=pa.max_model_len,
+        kv_cache_dtype=str(pa.kv_cache_dtype),
+        backends=pa.backend_table(),
+    )
 
 
 def _check_sizes(pa: PagedAttention, given: dict[str, Any]) -> None:
@@ -230,6 +249,12 @@ class LLM:
     the LLM patched itself, the patch and its KV cache. Each LLM compiles a forward of its own:
     several LLMs in one process do not recompile or evict each other's.
 
+    Tensor parallel: under ``torchrun``, for a model loaded with ``from_pretrained(...,
+    tp_plan="auto")``, every rank builds the LLM with the same arguments and calls
+    ``generate``/``stream`` in the same order. Each rank caches its own KV heads; rank 0's prompts,
+    params and seeds are the ones that run and its sampled ids are broadcast each step, so every
+    rank returns the same outputs (:mod:`paged_ops.engine.distributed`).
+
     After construction, ``warmup_s`` is the construction's wall time and ``warmup_breakdown``
     says where it went (``setup_s``: patching and sizing the cache; the rest from
     :meth:`~paged_ops.engine.runner.ModelRunner.warm_up`; ``total_s``); it is also logged at INFO
@@ -265,13 +290,6 @@ class LLM:
         speculative: SpeculativeConfig | None = None,
     ) -> None:
         check_model(model)
-        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
-            raise TypeError(
-                f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}"
-            )
-        draft = speculative.draft_model if speculative is not None else None
-        if draft is not None:
-            check_draft_model(draft, model)
         flags = dict(
             compile=compile,
             cuda_graphs=cuda_graphs,
@@ -280,21 +298,30 @@ class LLM:
             fuse_projections=fuse_projections,
             small_linears=small_linears,
         )
-        sizes = check_llm_args(
-            model,
-            dict(
-                backend=backend,
-                block_size=block_size,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                num_blocks=num_blocks,
-                gpu_memory_utilization=gpu_memory_utilization,
-                max_num_tokens=max_num_tokens,
-                kv_cache_dtype=kv_cache_dtype,
-                calculate_kv_scales=calculate_kv_scales,
-            ),
-            flags,
+        given = dict(
+            backend=backend,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            num_blocks=num_blocks,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_tokens=max_num_tokens,
+            kv_cache_dtype=kv_cache_dtype,
+            calculate_kv_scales=calculate_kv_scales,
         )
+        self.tp = TensorParallel.of(model)  # None for one process
+        if self.tp is not None:  # before any check that one rank could fail alone
+            self.tp.check_same(
+                "the LLM arguments", dict(**given, **flags, speculative=repr(speculative))
+            )
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise TypeError(
+                f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}"
+            )
+        draft = speculative.draft_model if speculative is not None else None
+        if draft is not None:
+            check_draft_model(draft, model)
+        sizes = check_llm_args(model, given, flags)
         if compile is None:
             flags["compile"] = default_compile(model)
         t0 = time.perf_counter()
@@ -311,7 +338,7 @@ class LLM:
         self.speculative = speculative
         try:  # a refused or failed construction leaves the model(s) exactly as they were
             model.eval()
-            self.pa, self._owns_patch = self._patched(model, sizes, draft)
+            self.pa, self._owns_patch = self._patched(model, sizes, draft, self.tp)
             self._build(flags)
         except BaseException:
             restore()
@@ -403,7 +430,10 @@ class LLM:
 
     @staticmethod
     def _patched(
-        model: nn.Module, given: dict[str, Any], draft: nn.Module | None = None
+        model: nn.Module,
+        given: dict[str, Any],
+        draft: nn.Module | None = None,
+        tp: TensorParallel | None = None,
     ) -> tuple[PagedAttention, bool]:
         """The model's PagedAttention and whether it was patched here: the caller's if they
         patched it (``given`` must agree with it), else patched here with ``given`` sizes and
@@ -416,6 +446,8 @@ class LLM:
             hf.unpatch_model(model)  # frees its cache before this LLM sizes its own
             fixed = None
         if fixed is not None and hf.sizes_fixed(model):
+            if tp is not None:  # the caller patched each rank: before a rank refuses alone
+                tp.check_same("the KV cache", _geometry(fixed))
             _check_sizes(fixed, given)
             return fixed, False  # patched by the caller: use its cache as configured
         backend = given.get("backend", "auto")
@@ -443,6 +475,8 @@ class LLM:
                 cache_dtype=cache_dtype,
                 draft=draft,
             )
+            if tp is not None:  # every rank holds the same blocks: what the fullest GPU fits
+                num_blocks = tp.smallest(num_blocks)
         elif num_blocks is None:
             per_block = _cache_bytes_per_block(model, block_size, cache_dtype)
             want = max_num_seqs * blocks_needed(max_model_len, block_size)
@@ -459,6 +493,8 @@ class LLM:
             calculate_kv_scales=calculate_kv_scales,
         )
         assert pa is not None  # strict patch_model raises instead
+        if tp is not None:
+            tp.check_same("the KV cache", _geometry(pa))
         return pa, True
 
     # ---- input checks (all before any work) ----
@@ -468,6 +504,20 @@ class LLM:
     ) -> list[list[Seq]]:
         """Each request's samples (``SamplingParams.n`` sequences; the first is scheduled)."""
         self._check_open()
+        if self.tp is None:
+            requests = self._requests(prompts, params)  # (token ids, params, seed, stop ids)
+        else:  # rank 0 checks, tokenizes and draws the seeds; the other ranks take its requests
+            requests = self.tp.from_rank0(lambda: self._requests(prompts, params))
+        samples: list[list[Seq]] = []
+        for ids, p, seed, stops in requests:
+            samples.append(make_samples(self._next_id, ids, p, seed, stops, self.tokenizer))
+            self._next_id += p.n
+        return samples
+
+    def _requests(
+        self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[tuple[list[int], SamplingParams, int, frozenset[int]]]:
+        """Each prompt checked and encoded: ``(token ids, params, seed, stop ids)``."""
         if is_chat(prompts):
             raise TypeError(
                 "prompts is one chat conversation (a list of messages); wrap it in a list: "
@@ -503,10 +553,7 @@ class LLM:
                 raise ValueError(f"prompt {i}: {err}") from None
             stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_ids)
             seed = p.seed if p.seed is not None else self._rng.getrandbits(32)
-            requests.append(
-                make_samples(self._next_id, ids, p, seed, frozenset(stops), self.tokenizer)
-            )
-            self._next_id += p.n
+            requests.append((ids, p, seed, frozenset(stops)))
         return requests
 
     # ---- the loop ----
@@ -602,9 +649,11 @@ class LLM:
         step = sample_step(logits, greedy, batch, fed_from)  # ids [R] (+ logprobs) on the device
         return self._copy_out(batch, step)
 
-    @staticmethod
-    def _copy_out(batch: ScheduledBatch, step: StepSample) -> _Launched:
-        """Start the copy of a step's sampled ids (and logprobs) to the host (no wait)."""
+    def _copy_out(self, batch: ScheduledBatch, step: StepSample) -> _Launched:
+        """Start the copy of a step's sampled ids (and logprobs) to the host (no wait); under
+        tensor parallelism every rank continues with rank 0's ids."""
+        if self.tp is not None:
+            step.ids = self.tp.broadcast_step(step.ids)
         if step.ids.device.type != "cuda":
             return _Launched(batch, step.ids, step, None)
         host = step.to_host()  # pinned by the caching host allocator
@@ -649,7 +698,7 @@ class LLM:
         first_token: list[float | None] = [None] * len(requests)
         metrics.num_prompt_tokens = sum(request[0].prompt_len for request in requests)
         bar = None
-        if use_tqdm and len(samples) > 1:
+        if use_tqdm and len(samples) > 1 and (self.tp is None or self.tp.rank == 0):
             spec_metrics = self.spec.metrics if self.spec is not None else None
             bar = _TokenProgress(samples, self.pa.max_model_len, spec_metrics)
         start = time.perf_counter()
