@@ -176,6 +176,15 @@ def main(argv: list[str] | None = None) -> dict:
     warm = SamplingParams(max_new_tokens=16, ignore_eos=True)
     results: dict[str, list[dict]] = {}
     plain_ids: dict[tuple[str, int], list[list[int]]] = {}
+    import transformers
+
+    meta = dict(gpu=torch.cuda.get_device_name() if on_cuda else "cpu", torch=torch.__version__,
+                transformers=transformers.__version__, python=platform.python_version(),
+                prompt_len=args.prompt_len, repeat_len=args.repeat_len,
+                new_tokens=args.new_tokens, num_tokens=args.num_tokens, backend=args.backend,
+                copy_span=copy_span, copy_corrupt=args.copy_corrupt,
+                copy_corrupt_hard=args.copy_corrupt_hard, greedy=True,
+                tiny=args.tiny)  # fmt: skip
     for name in names:
         spec = speculative_config(name, target, cfg, args.num_tokens)
         model = copy_model if "-copy" in name else target
@@ -230,18 +239,11 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{m.num_accepted_tokens}/{m.num_draft_tokens} = {m.acceptance_rate:.0%}, "
                   f"{m.mean_accepted_length:.2f} tokens/verify){extra}", flush=True)  # fmt: skip
         results[name] = rows
+        if args.out:  # after every system: a run cut short keeps what it measured
+            Path(args.out).write_text(json.dumps({"settings": meta, "results": results}, indent=2))
         llm.close()
         del llm, spec
         bg.free_memory()
-    import transformers
-
-    meta = dict(gpu=torch.cuda.get_device_name() if on_cuda else "cpu", torch=torch.__version__,
-                transformers=transformers.__version__, python=platform.python_version(),
-                prompt_len=args.prompt_len, repeat_len=args.repeat_len,
-                new_tokens=args.new_tokens, num_tokens=args.num_tokens, backend=args.backend,
-                copy_span=copy_span, copy_corrupt=args.copy_corrupt,
-                copy_corrupt_hard=args.copy_corrupt_hard, greedy=True,
-                tiny=args.tiny)  # fmt: skip
     out = {"settings": meta, "results": results}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))
