@@ -13,30 +13,7 @@ from paged_ops.engine import runner
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 96
-
-
-def tiny_llama(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        pad_token_id=0,
-        eos_token_id=None,  # random weights: never stop early, in HF generate or ours
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def prompts_of(lengths: list[int], seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    # ids >= 1: HF generate would mask the pad token (0) out of the prompt
-    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
+from engine_models import VOCAB, prompts_of, tiny_llama  # noqa: E402
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:

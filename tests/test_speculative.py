@@ -16,31 +16,13 @@ from paged_ops.engine.sampler import SamplingBatch
 from paged_ops.engine.speculative import NgramProposer, accept_drafts
 
 transformers = pytest.importorskip("transformers")
-
-VOCAB = 96
-
-
-def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = VOCAB) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+from engine_models import prompts_of as random_prompts  # noqa: E402
+from engine_models import tiny_llama  # noqa: E402
 
 
-def prompts_of(lengths: list[int], seed: int = 1, vocab: int = VOCAB) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    out = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
-    return [p + p[: len(p) // 2] for p in out]  # repeated text: n-gram drafts find matches
+def prompts_of(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    """Random prompts followed by their first half again: n-gram drafts find matches."""
+    return [p + p[: len(p) // 2] for p in random_prompts(lengths, seed)]
 
 
 OPTS = dict(backend="reference", compile=False, block_size=4, max_num_seqs=8, max_model_len=160)
