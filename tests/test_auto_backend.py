@@ -346,15 +346,11 @@ def test_closing_an_llm_releases_its_planners_and_routers(recorded):
     """The plan-state registry held every planner (FlashInfer's workspace buffers: 185 MB
     stayed allocated after close() in an H100 soak); unbinding drops them, rebinding (a failed
     LLM restoring the model) registers them again under their own handles."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from engine_models import tiny_llama
     from paged_ops.integrations.transformers import snapshot_model, unpatch_model
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=256,
-                                   eos_token_id=None)  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = tiny_llama()
     llm = LLM(model, backend="auto", compile=False, block_size=4, max_num_seqs=4,
               max_model_len=48, num_blocks=64)  # fmt: skip
     states = llm.pa.routing._states()
