@@ -24,9 +24,9 @@ Drafts come from :class:`NgramProposer` (prompt lookup: the most recent earlier 
 sequence's last ``n`` tokens, ``ngram_max >= n >= ngram_min``, proposes what followed it) or from a
 small draft model (:mod:`paged_ops.engine.draft`). A request whose drafts keep being rejected stops
 speculating for a while (an exponential moving average of accepted drafts per verify below
-``min_mean_accepted`` backs it off for 16, 32, ... 256 generated tokens, then it probes again), so
-text the drafter cannot predict runs at the speed of plain decoding (its probes are aligned across
-the batch, see :mod:`paged_ops.engine.speculator`).
+``min_mean_accepted`` backs it off for 16, 32, ... 256 generated tokens, then it probes again on one
+of the LLM's planned steps, see :mod:`paged_ops.engine.speculator`), so text the drafter cannot
+predict runs at about the speed of plain decoding.
 """
 
 from __future__ import annotations

@@ -38,8 +38,10 @@ from paged_ops.engine.speculative import (
 )
 
 _NO_MATCH_PAUSE = 8  # generated tokens before an n-gram lookup that found nothing is tried again
-_PROBE_EVERY = 16  # a request that backed off probes again only on every 16th step of the LLM,
-# so that the probes of a batch's requests share verify steps instead of each making its own
+_PROBE_EVERY = 16  # a request that backed off probes again only on every 16th planned step, so
+# that the probes of a batch's requests share verify steps instead of each making its own. Only
+# steps planned here count (``plan`` runs for the steps not scheduled ahead): with overlap on they
+# are rare, and a backed-off request seldom probes again (benchmarks/NOTES.md section 14).
 
 
 class Speculator:
@@ -54,7 +56,7 @@ class Speculator:
         self.config, self.draft, self.k = config, draft, config.num_tokens
         self.metrics = SpecMetrics()
         self._real: dict[int, list[int]] = {}  # row of the step being verified -> its real drafts
-        self._steps = 0  # steps planned so far
+        self._steps = 0  # steps planned so far (not the steps scheduled ahead)
 
     def _state(self, seq: Seq) -> SpecState:
         if seq.spec is None:
