@@ -22,6 +22,7 @@ it) can only lower the acceptance rate: every token is verified by the target.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -150,9 +151,7 @@ class DraftModel:
                     feed_rows=list(range(num)),
                 )
                 logits, greedy = self.runner.execute(batch, fed)  # [S, V], [S]
-            step_rows = SamplingBatch(
-                rows.temperatures, rows.top_ks, rows.top_ps, rows.seeds, [n + j for n in rows.steps]
-            )
+            step_rows = dataclasses.replace(rows, steps=[n + j for n in rows.steps])
             fed, q = sample_drafts(logits, step_rows, greedy)
             fed = fed.clone()  # graph outputs are overwritten by the next replay
             drafts.append(fed)

@@ -75,17 +75,11 @@ class Speculator:
             state = self._state(seq)
             state.drafts, state.drafting = [], False
         self._steps += 1
-        if len(running) > self.config.disable_by_batch_size:
+        if not self._may_verify(itertools.chain(running, waiting), len(running)):
             return False
-        if not all(map(spec_eligible, itertools.chain(running, waiting))):
-            return False  # a plain step for every one: logprobs, penalties or forks need it
         decoding = [seq for seq in running if seq.num_computed + 1 == len(seq.tokens)]
         probe_step = self._steps % _PROBE_EVERY == 0
-        candidates = [
-            seq
-            for seq in decoding
-            if seq.num_generated >= seq.spec.off_until and (probe_step or not seq.spec.backed_off)
-        ]
+        candidates = [seq for seq in decoding if _due(seq.spec, seq.num_generated, probe_step)]
         if not candidates:
             return False
         if self.config.method == "ngram":
@@ -103,19 +97,17 @@ class Speculator:
 
     def may_draft(self, running: list[Seq]) -> bool:
         """Whether the next step could verify drafts (then no step is scheduled ahead)."""
-        if len(running) > self.config.disable_by_batch_size:
-            return False
-        if not all(map(spec_eligible, running)):
+        if not self._may_verify(running, len(running)):
             return False
         probe_step = (self._steps + 1) % _PROBE_EVERY == 0  # as plan() will count it
         return any(
-            seq.spec is None
-            or (
-                seq.num_generated + 1 >= seq.spec.off_until
-                and (probe_step or not seq.spec.backed_off)
-            )
-            for seq in running
+            seq.spec is None or _due(seq.spec, seq.num_generated + 1, probe_step) for seq in running
         )
+
+    def _may_verify(self, seqs: Iterable[Seq], num_running: int) -> bool:
+        """A step may verify drafts: few enough running sequences, and none of ``seqs`` needs a
+        plain step (logprobs, penalties or samples to fork)."""
+        return num_running <= self.config.disable_by_batch_size and all(map(spec_eligible, seqs))
 
     def fill(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
         """Write the drafts of ``batch``'s verifying rows into ``batch.input_ids``.
@@ -215,6 +207,12 @@ class Speculator:
     def close(self) -> None:
         if self.draft is not None:
             self.draft.close()
+
+
+def _due(state: SpecState, num_generated: int, probe_step: bool) -> bool:
+    """Whether a request with ``num_generated`` tokens may draft: past its pause, and (once it
+    backed off) on a probe step."""
+    return num_generated >= state.off_until and (probe_step or not state.backed_off)
 
 
 def _settings(seqs: list[Seq], steps: list[int]) -> SamplingBatch:
