@@ -15,6 +15,7 @@ import torch
 from paged_ops.engine.sampler import (
     SamplingBatch,
     counter_uniform,
+    gumbel_argmax,
     host_to_device,
     processed_logits,
 )
@@ -23,12 +24,6 @@ from paged_ops.engine.sampler import (
 ACCEPT_SALT = 0x5BD1E995
 RESIDUAL_SALT = 0x27D4EB2F
 DRAFT_SALT = 0x165667B1
-
-
-def _gumbel_argmax(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """``argmax(scores + Gumbel noise)``: a sample from ``softmax(scores)``. ``[R, V]`` -> ``[R]``."""
-    u = counter_uniform(seeds, steps, scores.shape[-1])
-    return (scores - torch.log(-torch.log(u))).argmax(dim=-1)
 
 
 def _seeds_steps(rows: SamplingBatch, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +47,7 @@ def sample_drafts(
         return greedy, None
     scores = processed_logits(logits, rows)
     seeds, steps = _seeds_steps(rows, logits.device)
-    sampled = _gumbel_argmax(scores, seeds ^ DRAFT_SALT, steps)
+    sampled = gumbel_argmax(scores, seeds ^ DRAFT_SALT, steps)
     is_greedy = host_to_device([t == 0.0 for t in rows.temperatures], torch.bool, logits.device)
     return torch.where(is_greedy, greedy, sampled), scores.softmax(dim=-1)
 
@@ -86,7 +81,7 @@ def verify(
         return torch.stack([greedy, greedy, greedy_accept])
     scores = processed_logits(logits, rows)  # [R, V]
     seeds, steps = _seeds_steps(rows, dev)
-    target = _gumbel_argmax(scores, seeds, steps)  # the plain sampler's draw for this (seed, step)
+    target = gumbel_argmax(scores, seeds, steps)  # the plain sampler's draw for this (seed, step)
     p = scores.softmax(dim=-1)
     d = drafts.clamp(min=0)[:, None]  # [R, 1]
     p_d = p.gather(-1, d)[:, 0]
@@ -99,7 +94,7 @@ def verify(
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
     u = counter_uniform(seeds ^ ACCEPT_SALT, steps, 1)[:, 0]  # [R]
     accept = ((u * q_d < p_d) & (drafts >= 0)).long()
-    resampled = _gumbel_argmax(residual.log(), seeds ^ RESIDUAL_SALT, steps)
+    resampled = gumbel_argmax(residual.log(), seeds ^ RESIDUAL_SALT, steps)
     is_greedy = host_to_device([t == 0.0 for t in rows.temperatures], torch.bool, dev)
     return torch.stack(
         [

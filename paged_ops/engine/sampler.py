@@ -266,6 +266,19 @@ def token_logprobs(
     return chosen, top_ids, top_logp
 
 
+def gumbel_argmax(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """``argmax(scores + Gumbel noise)``: a draw from ``softmax(scores)`` whose noise depends only
+    on ``(seed, step, token id)`` (:func:`counter_uniform`).
+
+    Args:
+        scores: ``[R, V]`` float32; seeds, steps: ``[R]`` int64.
+    Returns:
+        ``[R]`` int64.
+    """
+    u = counter_uniform(seeds, steps, scores.shape[-1])  # [R, V]
+    return (scores + -torch.log(-torch.log(u))).argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor,
     batch: SamplingBatch,
@@ -297,8 +310,6 @@ def sample(
     logits = _temper_and_mask(logits, batch)
     seeds = host_to_device(batch.seeds, torch.int64, dev)  # [R]
     steps = host_to_device(batch.steps, torch.int64, dev)  # [R]
-    u = counter_uniform(seeds, steps, logits.shape[-1])  # [R, V]
-    gumbel = -torch.log(-torch.log(u))
-    sampled = (logits + gumbel).argmax(dim=-1)  # [R]
+    sampled = gumbel_argmax(logits, seeds, steps)  # [R]
     is_greedy = host_to_device([t == 0.0 for t in batch.temperatures], torch.bool, dev)  # [R]
     return torch.where(is_greedy, greedy, sampled)
