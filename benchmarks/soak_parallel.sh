@@ -5,19 +5,21 @@
 # requests (its own --seed) with faults, solo re-runs and memory checks; soak_summary.py adds the
 # counts up. Tokens/s of each process is measured beside the others (a lower bound of its own).
 #
-#   bash benchmarks/soak_parallel.sh BACKEND NPROC REQUESTS_EACH DEADLINE_S OUTDIR [STAGGER_S]
+#   bash benchmarks/soak_parallel.sh BACKEND NPROC REQUESTS_EACH DEADLINE_S OUTDIR [STAGGER_S] [SEED0]
 #
 # STAGGER_S: the first process starts alone for that long (FlashInfer JIT-builds its modules
-# once, into the shared cache, before the others need them).
+# once, into the shared cache, before the others need them). SEED0: process i soaks with seed
+# SEED0 + i (default 0), so that runs split over several calls soak different requests.
 set -u
-backend=$1 n=$2 each=$3 deadline=$4 out=$5 stagger=${6:-0}
+backend=$1 n=$2 each=$3 deadline=$4 out=$5 stagger=${6:-0} seed0=${7:-0}
 here=$(dirname "$0")
 mkdir -p "$out"
 pids=()
 for i in $(seq 0 $((n - 1))); do
+  seed=$((seed0 + i))
   PYTHONUNBUFFERED=1 python3 "$here/soak.py" --backend "$backend" --num-requests "$each" \
-    --seed "$i" --deadline-s "$deadline" --json "$out/soak_${backend}_$i.json" \
-    > "$out/soak_${backend}_$i.txt" 2>&1 &
+    --seed "$seed" --deadline-s "$deadline" --json "$out/soak_${backend}_$seed.json" \
+    > "$out/soak_${backend}_$seed.txt" 2>&1 &
   pids+=($!)
   if [ "$i" = 0 ] && [ "$stagger" -gt 0 ]; then sleep "$stagger"; fi
 done

@@ -14,6 +14,7 @@ from pathlib import Path
 SUMMED = ("num_requests", "num_run", "finished", "lost", "truncated", "bad_stop", "leaked_blocks",
           "faults_injected", "faults_in_step_ahead", "faults_recovered", "rounds",
           "rounds_retried", "preemptions", "prompt_tokens", "generated_tokens", "steps",
+          "overlapped_steps",
           "solo_checked", "solo_equal", "solo_near_tie", "solo_mismatch")  # fmt: skip
 
 

@@ -200,9 +200,13 @@ class BlockAllocator:
         self._hash_of_block[block] = prefix_hash
         self._block_of_hash[prefix_hash] = block
 
+    def prefix_block(self, prefix_hash: int) -> int | None:
+        """The block holding ``prefix_hash`` (or ``None``), taking no reference."""
+        return self._block_of_hash.get(prefix_hash)
+
     def lookup_prefix(self, prefix_hash: int) -> int | None:
         """The block holding ``prefix_hash`` with one more reference taken, or ``None``."""
-        block = self._block_of_hash.get(prefix_hash)
+        block = self.prefix_block(prefix_hash)
         if block is None:
             return None
         if self.ref_counts[block] == 0:

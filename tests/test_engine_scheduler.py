@@ -132,7 +132,7 @@ def test_schedule_ahead_declines_when_it_cannot_run_the_next_decode_step():
     for num_blocks in (3, 4):
         alloc = BlockAllocator(num_blocks=num_blocks, block_size=BLOCK)
         sched = Scheduler(alloc, max_num_seqs=2, max_num_tokens=8, max_model_len=64)
-        long, short = make([[1] * 11, [2] * 3], 20)
+        (long,) = make([[1] * 11], 20)
         sched.add(long)
         batch = sched.schedule()  # 8 of 11 prompt tokens: no token comes out of this step
         assert batch.num_new == [8] and sched.schedule_ahead(batch) is None
@@ -142,9 +142,6 @@ def test_schedule_ahead_declines_when_it_cannot_run_the_next_decode_step():
         assert ahead is not None and ahead.feed_rows == [0] and ahead.slices[0].context_len == 11
         assert ahead.sample_steps == [1] and ahead.input_ids == [] and ahead.num_tokens == 1
         sched.postprocess(batch, [5])
-        sched.add(short)
-        assert sched.schedule_ahead(ahead) is None  # someone waits to join: schedule normally
-        sched.waiting.clear()
         # the step after ``ahead`` writes token 13, which needs a 4th block
         nxt = sched.schedule_ahead(ahead)
         assert (nxt is None) == (num_blocks == 3)  # never preempts to run ahead
@@ -187,6 +184,36 @@ def test_schedule_ahead_with_requests_waiting_only_while_every_seat_stays_taken(
     sched.postprocess(batch, [4, 4])
     # b's last token comes from ``ahead``: its seat frees, so c joins in a normal step
     assert sched.schedule_ahead(ahead) is None
+
+
+def test_schedule_ahead_with_requests_waiting_only_while_their_blocks_are_not_free():
+    # 8 blocks of 4. ``a`` decodes on 3 blocks (12 prompt tokens); a request whose first chunk
+    # needs more blocks than the 4 left beside a's next token cannot join a normal step either,
+    # so steps go on being queued ahead; one that fits (also thanks to the prefix cache: a's two
+    # full blocks, registered) or that fits once blocks free makes the next step a normal one.
+    alloc = BlockAllocator(num_blocks=8, block_size=BLOCK)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_tokens=32, max_model_len=64)
+    prompt = list(range(1, 13))
+    a, big, shared, small = make([prompt, [50] * 20, prompt[:8] + [60] * 12, [70] * 5], 30)
+    sched.add(a)
+    batch = sched.schedule()
+    sched.postprocess(batch, [5])
+    batch = sched.schedule()  # a's first decode step; 4 blocks free beside its 4th block
+    assert batch.seqs == [a] and alloc.num_free == 4
+    sched.add(big)  # 20 tokens: 5 blocks
+    ahead = sched.schedule_ahead(batch)
+    assert ahead is not None and ahead.seqs == [a]  # big could not join a normal step either
+    sched.postprocess(batch, [6])
+    assert alloc.num_free == 4 and big.status is SeqStatus.WAITING
+    sched.waiting.clear()
+    sched.add(shared)  # 20 tokens, the first 8 in a's registered blocks: 3 new blocks
+    assert sched.schedule_ahead(ahead) is None
+    sched.waiting.clear()
+    sched.add(small)  # 5 tokens: 2 blocks
+    assert sched.schedule_ahead(ahead) is None
+    sched.prefix_caching = False
+    sched.waiting.appendleft(shared)  # without the prefix cache it needs 5 blocks again
+    assert sched.schedule_ahead(ahead) is not None
 
 
 def test_schedule_ahead_leaves_out_sequences_that_finish_on_length():

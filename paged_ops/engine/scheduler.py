@@ -313,15 +313,16 @@ class Scheduler:
 
         - a running sequence is not in ``running`` (the step's token budget ran out before it:
           only a normal step gives it its turn), or one of ``running`` is mid-prompt;
-        - requests wait and could join now: a seat is free, or one frees as a sequence finishes
-          on length (with every seat taken and nobody finishing, they could not join anyway);
+        - the first waiting request could join now: a seat and the blocks of its first prompt
+          chunk are free beside the new tokens' blocks (as ``schedule`` would find them), or a
+          seat frees as a sequence finishes on length. A request that could not join anyway
+          (every seat taken, or too few free blocks, as under KV pressure) does not stop steps
+          from being queued ahead: it joins in the first normal step after blocks free up;
         - the new tokens' blocks are not free without preempting (this never preempts).
         """
         if running.is_verify:
             return None  # how many tokens each sequence gets is known only once it is read
         if sum(s.status is SeqStatus.RUNNING for s in running.seqs) != len(self.running):
-            return None
-        if self.waiting and self._seats_taken() < self.max_num_seqs:
             return None
         rows: list[int] = []
         starts: list[int] = []  # position of each row's new token
@@ -347,6 +348,10 @@ class Scheduler:
             for s, p in zip(seqs, starts, strict=True)
         ]
         if not self.allocator.can_allocate(sum(needs)):
+            return None
+        if self.waiting and self._could_join(
+            self.waiting[0], self.allocator.num_free - sum(needs), self.max_num_tokens - len(rows)
+        ):
             return None
         for seq, need in zip(seqs, needs, strict=True):
             if need:
@@ -448,6 +453,25 @@ class Scheduler:
 
     # ---- helpers ----
 
+    def _could_join(self, seq: Sequence, free: int, budget: int) -> bool:
+        """Whether ``schedule`` would let waiting ``seq`` join with ``free`` blocks left beside
+        the running sequences' and ``budget`` tokens of the step left (changes nothing)."""
+        if self._seats_taken() + seq.num_seats > self.max_num_seqs:
+            return False
+        held, revived = len(seq.block_ids), 0  # blocks it would hold; cached ones now free
+        if not seq.block_ids and self.prefix_caching:  # what _attach_cached_prefix would find
+            prev = None
+            for j in range((len(seq.tokens) - 1) // self.block_size):
+                prev = self._block_hash(seq, j, prev)
+                block = self.allocator.prefix_block(prev)
+                if block is None:
+                    break
+                held += 1
+                revived += self.allocator.ref_counts[block] == 0
+        computed = held * self.block_size if not seq.block_ids else seq.num_computed
+        n = min(len(seq.tokens) - computed, budget)
+        return blocks_needed(computed + n, self.block_size) - held <= free - revived
+
     def _seats_taken(self) -> int:
         """Running sequences and the samples they will fork off (those have their seats)."""
         return len(self.running) + sum([len(s.children) for s in self.running])
@@ -485,8 +509,11 @@ class Scheduler:
         if seq.spec is not None:
             seq.spec.blocks_dropped()  # a draft model's KV in those blocks is gone too
 
-    def _block_hash(self, seq: Sequence, j: int) -> int:
-        prev = seq.block_hashes[j - 1] if j else None
+    def _block_hash(self, seq: Sequence, j: int, prev: int | None = None) -> int:
+        """Hash of ``seq``'s block ``j`` chained on the hash of block ``j - 1`` (``prev``; by
+        default the one ``seq`` registered)."""
+        if prev is None and j:
+            prev = seq.block_hashes[j - 1]
         return hash((prev, tuple(seq.tokens[j * self.block_size : (j + 1) * self.block_size])))
 
     def _attach_cached_prefix(self, seq: Sequence) -> None:
