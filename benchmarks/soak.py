@@ -16,8 +16,8 @@ What it checks (issue 15):
   and, on CUDA, the allocated device memory is what it was after warm-up; after ``LLM.close()``
   (where the engine has it) it is back to what it was before the LLM was built.
 - **Batching does not change results.** A sample of requests re-run one at a time must give the same
-  tokens. Where they do not, the first differing position is classified with the model's own
-  logits, as the sampler sees them (greedy: the logits; seeded sampling: the Gumbel-perturbed
+  tokens. Where they do not, the first differing position is classified with the logits of a
+  float32 copy of the model (transformers' own attention, same weights), as the sampler sees them (greedy: the logits; seeded sampling: the Gumbel-perturbed
   scores and top-k/top-p sets, from :mod:`paged_ops.engine.sampler`): a *near tie* when both tokens
   are within ``--tie-tol`` + ``--tie-rel`` x max |logit| (rounding is relative) of being chosen,
   else a *mismatch* (a bug).
@@ -38,6 +38,7 @@ On CUDA the model is the Llama-3.2-1B shape of ``bench_generate.py`` (random bf1
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import math
@@ -528,14 +529,19 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 @torch.inference_mode()
-def next_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """The model's own float32 logits ``[V]`` of the token after ``ids``: one plain forward of the
-    patched model (its blocks go back at once)."""
-    device = next(llm.model.parameters()).device
+def reference_model(model: nn.Module) -> nn.Module:
+    """A float32 copy of the (not yet patched) model: transformers' own attention on the same
+    weights, so a difference is judged against logits that neither paged_ops nor bf16 rounding
+    made (a bf16 reference carries its own rounding, as large as the runs' it is to judge)."""
+    return copy.deepcopy(model).float().eval()
+
+
+@torch.inference_mode()
+def next_logits(reference: nn.Module, ids: list[int]) -> torch.Tensor:
+    """The float32 reference's logits ``[V]`` of the token after ``ids``."""
+    device = next(reference.parameters()).device
     x = torch.tensor(ids, dtype=torch.int64, device=device)  # [T]
-    logits = llm.model(input_ids=x[None], use_cache=False).logits[0, -1].float()  # [V]
-    llm.pa.clear_step()
-    return logits
+    return reference(input_ids=x[None], use_cache=False).logits[0, -1].float()  # [V]
 
 
 @dataclass
@@ -608,17 +614,23 @@ def tie_tolerance(logits: torch.Tensor, params: SamplingParams, tol: float, rel:
 
 
 def difference(
-    llm: LLM, req: Request, soak_ids: list[int], solo_ids: list[int], tol: float, rel: float
+    reference: nn.Module,
+    req: Request,
+    soak_ids: list[int],
+    solo_ids: list[int],
+    tol: float,
+    rel: float,
 ) -> dict[str, Any] | None:
     """None when the soak's and the solo run's tokens agree, else where they part and how far the
-    model's own logits there are from making either choice (``margin``, against ``tolerance``)."""
+    float32 reference's logits there are from making either choice (``margin``, against
+    ``tolerance``)."""
     p = first_difference(soak_ids, solo_ids)
     if p is None:
         return None
     row: dict[str, Any] = dict(position=p, soak_len=len(soak_ids), solo_len=len(solo_ids))
     if p < min(len(soak_ids), len(solo_ids)):  # else one ended early on the same tokens
         params, a, b = req.params, soak_ids[p], solo_ids[p]
-        logits = next_logits(llm, req.prompt + soak_ids[:p])  # [V]
+        logits = next_logits(reference, req.prompt + soak_ids[:p])  # [V]
         row.update(soak_token=a, solo_token=b, margin=tie_margin(logits, params, p, a, b),
                    tolerance=tie_tolerance(logits, params, tol, rel),
                    reference_token=reference_choice(logits, params, p).picked(),
@@ -629,6 +641,7 @@ def difference(
 
 def solo_compare(
     llm: LLM,
+    reference: nn.Module,
     requests: list[Request],
     outputs: list[Any | None],
     sample: list[int],
@@ -641,7 +654,7 @@ def solo_compare(
     for i in sample:
         req = requests[i]
         (solo,) = llm.generate([req.prompt], [req.params], use_tqdm=False)
-        row = difference(llm, req, list(outputs[i].token_ids), list(solo.token_ids), tol, rel)
+        row = difference(reference, req, list(outputs[i].token_ids), list(solo.token_ids), tol, rel)
         if row is None:
             equal += 1
             continue
@@ -789,8 +802,9 @@ def tie_tolerances(args: argparse.Namespace, model: nn.Module) -> tuple[float, f
     return tol, rel
 
 
-def run_checks(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
-    """The soak, the checks of its outputs and of the engine after it, then the solo re-runs."""
+def run_checks(llm: LLM, reference: nn.Module, args: argparse.Namespace) -> dict[str, Any]:
+    """The soak, the checks of its outputs and of the engine after it, then the solo re-runs
+    (differences judged with ``reference``'s logits, see :func:`reference_model`)."""
     warm = cuda_allocated()
     limits = Limits.of(llm, args)
     rng = random.Random(args.seed)
@@ -828,7 +842,7 @@ def run_checks(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     )
     done = [] if stats.error else [i for i, o in enumerate(outputs) if o is not None]
     sample = sorted(rng.sample(done, min(args.solo_sample, len(done))))
-    result.update(solo_compare(llm, requests, outputs, sample, tol, rel))
+    result.update(solo_compare(llm, reference, requests, outputs, sample, tol, rel))
     return result
 
 
@@ -844,9 +858,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     model = build_model(args)
     warm_device(model)
+    reference = reference_model(model)
     before_llm = cuda_allocated()
     llm = build_llm(model, args)
-    result = run_checks(llm, args)
+    result = run_checks(llm, reference, args)
     closed = close_llm(llm)
     del llm  # with close(), the LLM's cache, graphs and compiled code go
     result["memory_delta_after_close"] = memory_since(before_llm) if closed else None
