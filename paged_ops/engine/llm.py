@@ -608,10 +608,11 @@ class LLM:
                     assert spec is not None
                     sampled, accepted = spec.resolve(done, tokens)
                     advanced = sched.postprocess(done, sampled, accepted=accepted)
-                    spec.rolled_back(done)
                 else:
                     advanced = sched.postprocess(done, tokens, logprobs)
                 finish_on_stop_strings(sched, advanced)
+                if done.is_verify:
+                    spec.postprocessed(done)  # after stop strings: they may drop drafts too
                 yield advanced
                 launched = following
             finished = True
@@ -639,6 +640,8 @@ class LLM:
     def _launch(self, batch: ScheduledBatch, fed_from: torch.Tensor | None) -> _Launched:
         """Queue a step and its sampling on the device; nothing here waits for the device
         (a draft model's proposals excepted: their ids are read to build the verify step)."""
+        if self.spec is not None:
+            self.spec.count_step()  # backed-off requests probe on every 16th step
         if batch.is_verify:
             assert self.spec is not None
             draft_ids, draft_probs = self.spec.fill(batch)  # writes the drafts into the step
