@@ -234,6 +234,18 @@ def test_stream_yields_every_token_of_a_verify_step(target):
     assert llm.last_metrics.num_accepted_tokens > 0
 
 
+def test_progress_bar_shows_the_acceptance_rate(target, capsys):
+    pytest.importorskip("tqdm")
+    prompts = prompts_of([12, 9])
+    params = SamplingParams(max_new_tokens=20)
+    want, _ = run(target, prompts, params)
+    llm = LLM(copy.deepcopy(target), speculative=SpeculativeConfig("ngram"), **OPTS)
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    assert [o.token_ids for o in outs] == want
+    assert llm.last_metrics.num_draft_tokens > 0
+    assert "accept=" in capsys.readouterr().err
+
+
 def test_close_unpatches_the_draft_model(target):
     from paged_ops.integrations.transformers import paged_attention_of
 

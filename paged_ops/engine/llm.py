@@ -858,8 +858,9 @@ class _TokenProgress:
         elapsed = self.bar.format_dict.get("elapsed") or 0.0
         tok_s = metrics.num_generated_tokens / elapsed if elapsed > 0 else 0.0
         post = dict(req=f"{self.done}/{self.num_requests}", tok_s=f"{tok_s:.0f}")
-        if self.spec is not None and self.spec.num_draft_tokens:
-            post["accept"] = f"{self.spec.acceptance_rate:.0%}"
+        spec = self.spec
+        if spec is not None and spec.num_draft_tokens:
+            post["accept"] = f"{spec.num_accepted_tokens / spec.num_draft_tokens:.0%}"
         self.bar.set_postfix(post)
 
     def close(self) -> None:
