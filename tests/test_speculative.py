@@ -430,3 +430,26 @@ def test_drafts_accepted_after_a_stop_token_are_not_counted(target, monkeypatch)
     # token (but the last step's, dropped after the stop token)
     assert m.num_accepted_tokens == len(got[0]) - m.num_verify_rows
     assert m.num_draft_tokens == 4 * m.num_verify_rows
+
+
+def test_a_lookup_that_finds_nothing_after_drafts_is_tried_again_next_token(target, monkeypatch):
+    """All drafts right, but lookups at 21, 47 and 48 generated tokens find nothing: after 21 (the
+    lookup before it found drafts) the next token looks up again; after 48 (two misses in a row)
+    lookups pause for 8 tokens."""
+    prompt = prompts_of([8])[0]
+    params = SamplingParams(max_new_tokens=70)
+    want, _ = run(target, [prompt], params)
+    _oracle_ngram(monkeypatch, prompt, want[0], lambda g: 4)
+    right = NgramProposer.propose
+    misses = {21, 47, 48}
+
+    def propose(self, tokens, k):
+        return [] if len(tokens) - len(prompt) in misses else right(self, tokens, k)
+
+    monkeypatch.setattr(NgramProposer, "propose", propose)
+    llm = LLM(copy.deepcopy(target), speculative=SpeculativeConfig("ngram"),
+              **dict(OPTS, num_blocks=256))  # fmt: skip
+    probes = _record_probes(llm)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    assert got == want[0]
+    assert probes == [1, 6, 11, 16, 22, 27, 32, 37, 42, 56, 61, 66]

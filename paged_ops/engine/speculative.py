@@ -174,6 +174,7 @@ class SpecState:
     drafting: bool = False  # drafts in the next step (else its verify rows are padding)
     mean_accepted: float | None = None  # moving average of accepted drafts per verify
     off_until: int = 0  # no speculation before this many generated tokens
+    missed: bool = False  # its last n-gram lookup found nothing
     pause: int = 0  # generated tokens of the last back-off (0: not backed off)
     draft_computed: int = 0  # a draft model's cache holds K/V of tokens before this position
 

@@ -7,7 +7,7 @@ whether the next step may verify, :meth:`Speculator.count_step` counts every ste
 1. :meth:`Speculator.plan` sets ``Sequence.num_draft`` for the running requests that may speculate
    (decoding, not backed off, no penalties, the step at most ``disable_by_batch_size`` sequences).
    With n-grams, every candidate looks its drafts up now; when nobody finds one, nobody speculates
-   (and they pause for a few tokens). Otherwise every decoding sequence of the step verifies ``k``
+   (and they pause for a token, or for a few after two lookups in a row found nothing). Otherwise every decoding sequence of the step verifies ``k``
    rows, those with fewer real drafts (or none: backed off, penalties) padded, so that the step's
    shape is one of the target-verify CUDA graphs; padding is never accepted, and a sequence without
    real drafts gets exactly the token a plain decode step would give it.
@@ -40,7 +40,11 @@ from paged_ops.engine.speculative import (
     spec_eligible,
 )
 
-_NO_MATCH_PAUSE = 8  # generated tokens before an n-gram lookup that found nothing is tried again
+_NO_MATCH_PAUSE = 8  # generated tokens before an n-gram lookup is tried again after two in a row
+# found nothing (while a request waits, its steps can be scheduled ahead). After a lookup that found
+# drafts, one that finds nothing is tried again at the next token: the token the target put in
+# place of a rejected draft is often one that occurs nowhere earlier, while the token after it
+# does (the cost is one step without overlap, against up to 8 steps without drafts).
 _PROBE_EVERY = 16  # a request that backed off probes again only on every 16th step of the LLM
 # (every step launched counts, scheduled ahead or not), so that the probes of a batch's requests
 # share verify steps (each slower than a decode step) instead of each making its own.
@@ -99,8 +103,12 @@ class Speculator:
                 seq.spec.drafts = seq.spec.proposer.propose(seq.tokens, self.k)
             if not any(seq.spec.drafts for seq in candidates):
                 for seq in candidates:
-                    seq.spec.off_until = seq.num_generated + _NO_MATCH_PAUSE
+                    state = seq.spec
+                    state.off_until = seq.num_generated + (_NO_MATCH_PAUSE if state.missed else 1)
+                    state.missed = True
                 return False
+            for seq in candidates:
+                seq.spec.missed = not seq.spec.drafts
         for seq in candidates:
             seq.spec.drafting = True
         for seq in decoding:  # the others verify padding: one graph shape for the step
