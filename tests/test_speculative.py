@@ -234,6 +234,18 @@ def test_stream_yields_every_token_of_a_verify_step(target):
     assert llm.last_metrics.num_accepted_tokens > 0
 
 
+def test_progress_bar_shows_the_acceptance_rate(target, capsys):
+    pytest.importorskip("tqdm")
+    prompts = prompts_of([12, 9])
+    params = SamplingParams(max_new_tokens=20)
+    want, _ = run(target, prompts, params)
+    llm = LLM(copy.deepcopy(target), speculative=SpeculativeConfig("ngram"), **OPTS)
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    assert [o.token_ids for o in outs] == want
+    assert llm.last_metrics.num_draft_tokens > 0
+    assert "accept=" in capsys.readouterr().err
+
+
 def test_close_unpatches_the_draft_model(target):
     from paged_ops.integrations.transformers import paged_attention_of
 
@@ -325,3 +337,119 @@ def test_requests_that_need_plain_steps_switch_speculation_off_while_they_run(ta
         assert [o.logprobs for o in got.outputs] == [o.logprobs for o in want.outputs]
     # the greedy requests speculate once the third has finished (it wants 8 tokens, they 24)
     assert llm.last_metrics.num_draft_tokens > 0
+
+
+def _oracle_ngram(monkeypatch, prompt: list[int], want: list[int], num_right) -> None:
+    """N-gram lookups propose the plain output's next tokens (``want``), of which only the first
+    ``num_right(generated tokens)`` are right (the others plus one): acceptance under control."""
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        g = len(tokens) - len(prompt)
+        nexts = (want[g : g + k] + [0] * k)[:k]
+        return [t if j < num_right(g) else (t + 1) % 96 for j, t in enumerate(nexts)]
+
+    monkeypatch.setattr(NgramProposer, "propose", propose)
+
+
+def _record_probes(llm: LLM) -> list[int]:
+    """Generated tokens of the (one) request at each step that verified its drafts."""
+    at: list[int] = []
+    resolve = llm.spec.resolve
+
+    def recording(batch, result):
+        at.extend(s.num_generated for s in batch.seqs if s.spec.drafting)
+        return resolve(batch, result)
+
+    llm.spec.resolve = recording
+    return at
+
+
+@pytest.mark.parametrize(
+    "method, want_probes",
+    [("ngram", [1, 2, 31, 63, 127]), ("draft", [1, 2, 143])],  # pauses 16, 32, 64 / 128
+)
+def test_backed_off_request_probes_with_one_verify_on_16th_steps_with_overlap(
+    target, monkeypatch, method, want_probes
+):
+    """Nothing is accepted: a new request verifies twice, backs off (n-gram: 16 tokens, a draft
+    model: 128), then probes with one verify on the next 16th step (steps scheduled ahead count),
+    each failed probe doubling the pause. Step 1 is the prompt's, step s + 1 samples token s."""
+    prompt = prompts_of([8])[0]
+    params = SamplingParams(max_new_tokens=200)
+    opts = dict(OPTS, num_blocks=256, max_model_len=256)
+    want, _ = run(target, [prompt], params, **opts)
+    if method == "ngram":  # drafts found and all wrong
+        _oracle_ngram(monkeypatch, prompt, want[0], lambda g: 0)
+        spec = SpeculativeConfig("ngram")
+    else:
+        spec = SpeculativeConfig("draft", draft_model=tiny_llama(seed=7, layers=1))
+    llm = LLM(copy.deepcopy(target), speculative=spec, **opts)
+    probes = _record_probes(llm)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    assert got == want[0]
+    m = llm.last_metrics
+    assert m.num_accepted_tokens == 0
+    assert probes == want_probes
+    # not scheduled ahead: the prompt's step, the verify steps and the step after each run of
+    # them (the first two are one run); waiting for a probe step leaves overlap on
+    assert m.num_steps == 200 and m.num_steps - m.num_overlapped_steps == 2 * len(probes)
+
+
+def test_speculation_comes_back_when_drafts_become_right_later(target, monkeypatch):
+    """Drafts are wrong for the first 40 tokens (the request backs off), then right (a generation
+    that falls into a loop): the probe at step 64 turns speculation back on for good."""
+    prompt = prompts_of([8])[0]
+    params = SamplingParams(max_new_tokens=140)
+    want, _ = run(target, [prompt], params)
+    _oracle_ngram(monkeypatch, prompt, want[0], lambda g: 4 if g >= 40 else 0)
+    llm = LLM(copy.deepcopy(target), speculative=SpeculativeConfig("ngram"),
+              **dict(OPTS, num_blocks=256))  # fmt: skip
+    probes = _record_probes(llm)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    assert got == want[0]
+    assert probes[:4] == [1, 2, 31, 63]  # the probe at step 64 accepts its 4 drafts
+    assert probes[3:] == list(range(63, 140, 5))  # from there a verify step every step
+    assert llm.last_metrics.num_steps == 64 + len(probes[4:])
+
+
+def test_drafts_accepted_after_a_stop_token_are_not_counted(target, monkeypatch):
+    """The stop token is the first draft of a verify step whose drafts are all right: the three
+    after it are accepted and dropped, and only the kept ones count as accepted."""
+    prompt = prompts_of([8])[0]
+    want, _ = run(target, [prompt], SamplingParams(max_new_tokens=60))
+    want = want[0]
+    stop_at = next(g for g in range(6, 60) if want[g] not in want[:g])
+    # verify steps take 5 tokens, then as many as land the next verify step on stop_at
+    _oracle_ngram(monkeypatch, prompt, want,
+                  lambda g: 4 if g + 5 <= stop_at or g == stop_at else stop_at - g - 1)  # fmt: skip
+    params = SamplingParams(max_new_tokens=60, stop_token_ids=[want[stop_at]])
+    got, llm = run(target, [prompt], params, SpeculativeConfig("ngram"))
+    assert got[0] == want[: stop_at + 1]
+    m = llm.last_metrics
+    # every token but the prompt's came from a verify step: its kept drafts, then the target's
+    # token (but the last step's, dropped after the stop token)
+    assert m.num_accepted_tokens == len(got[0]) - m.num_verify_rows
+    assert m.num_draft_tokens == 4 * m.num_verify_rows
+
+
+def test_a_lookup_that_finds_nothing_after_drafts_is_tried_again_next_token(target, monkeypatch):
+    """All drafts right, but lookups at 21, 47 and 48 generated tokens find nothing: after 21 (the
+    lookup before it found drafts) the next token looks up again; after 48 (two misses in a row)
+    lookups pause for 8 tokens."""
+    prompt = prompts_of([8])[0]
+    params = SamplingParams(max_new_tokens=70)
+    want, _ = run(target, [prompt], params)
+    _oracle_ngram(monkeypatch, prompt, want[0], lambda g: 4)
+    right = NgramProposer.propose
+    misses = {21, 47, 48}
+
+    def propose(self, tokens, k):
+        return [] if len(tokens) - len(prompt) in misses else right(self, tokens, k)
+
+    monkeypatch.setattr(NgramProposer, "propose", propose)
+    llm = LLM(copy.deepcopy(target), speculative=SpeculativeConfig("ngram"),
+              **dict(OPTS, num_blocks=256))  # fmt: skip
+    probes = _record_probes(llm)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    assert got == want[0]
+    assert probes == [1, 6, 11, 16, 22, 27, 32, 37, 42, 56, 61, 66]

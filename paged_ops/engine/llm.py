@@ -608,10 +608,11 @@ class LLM:
                     assert spec is not None
                     sampled, accepted = spec.resolve(done, tokens)
                     advanced = sched.postprocess(done, sampled, accepted=accepted)
-                    spec.rolled_back(done)
                 else:
                     advanced = sched.postprocess(done, tokens, logprobs)
                 finish_on_stop_strings(sched, advanced)
+                if done.is_verify:
+                    spec.postprocessed(done)  # after stop strings: they may drop drafts too
                 yield advanced
                 launched = following
             finished = True
@@ -639,6 +640,8 @@ class LLM:
     def _launch(self, batch: ScheduledBatch, fed_from: torch.Tensor | None) -> _Launched:
         """Queue a step and its sampling on the device; nothing here waits for the device
         (a draft model's proposals excepted: their ids are read to build the verify step)."""
+        if self.spec is not None:
+            self.spec.count_step()  # backed-off requests probe on every 16th step
         if batch.is_verify:
             assert self.spec is not None
             draft_ids, draft_probs = self.spec.fill(batch)  # writes the drafts into the step
@@ -855,8 +858,9 @@ class _TokenProgress:
         elapsed = self.bar.format_dict.get("elapsed") or 0.0
         tok_s = metrics.num_generated_tokens / elapsed if elapsed > 0 else 0.0
         post = dict(req=f"{self.done}/{self.num_requests}", tok_s=f"{tok_s:.0f}")
-        if self.spec is not None and self.spec.num_draft_tokens:
-            post["accept"] = f"{self.spec.acceptance_rate:.0%}"
+        spec = self.spec
+        if spec is not None and spec.num_draft_tokens:
+            post["accept"] = f"{spec.num_accepted_tokens / spec.num_draft_tokens:.0%}"
         self.bar.set_postfix(post)
 
     def close(self) -> None:

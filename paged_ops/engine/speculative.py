@@ -24,9 +24,12 @@ Drafts come from :class:`NgramProposer` (prompt lookup: the most recent earlier 
 sequence's last ``n`` tokens, ``ngram_max >= n >= ngram_min``, proposes what followed it) or from a
 small draft model (:mod:`paged_ops.engine.draft`). A request whose drafts keep being rejected stops
 speculating for a while (an exponential moving average of accepted drafts per verify below
-``min_mean_accepted`` backs it off for 16, 32, ... 256 generated tokens, then it probes again on one
-of the LLM's planned steps, see :mod:`paged_ops.engine.speculator`), so text the drafter cannot
-predict runs at about the speed of plain decoding.
+``min_mean_accepted`` backs it off: n-gram drafts for 16, 32, ... 256 generated tokens, a draft
+model for 128, then 256), then it probes again with one verify step (on every 16th step of the LLM,
+so that a batch's probes share verify steps, see :mod:`paged_ops.engine.speculator`): a probe that
+accepts fewer than ``min_mean_accepted`` drafts backs it off again, one that accepts more turns
+speculation back on. Text the drafter cannot predict runs at about the speed of plain decoding, and
+text that becomes predictable later (a generation that falls into a loop) is caught.
 """
 
 from __future__ import annotations
@@ -40,9 +43,19 @@ from paged_ops.engine.params import as_float, as_int
 
 METHODS = ("ngram", "draft")
 _EMA = 0.5  # weight of the newest verify in a request's mean accepted drafts
-_PRIOR = 1.0  # the mean a request starts from (or restarts from after a back-off): two verifies
-# that accept nothing back it off at the default threshold of 0.5, one does not
-_BACKOFF_MIN, _BACKOFF_MAX = 16, 256  # generated tokens a request waits before probing again
+_PRIOR = 1.0  # the mean a new request starts from: two verifies that accept nothing back it off
+# at the default threshold of 0.5, one does not. A probe after a back-off starts from the threshold
+# instead, so that a probe that accepts nothing costs one verify, not two.
+# Generated tokens a request waits after its first back-off before it probes again; each failed
+# probe doubles the pause, up to _BACKOFF_MAX. The first pause follows what a failed probe costs
+# (H100, Llama-3.2-1B shape, batch 1: a decode step 1.48 ms, 256 tokens ~380 ms). An n-gram probe is
+# one verify step in place of a decode step (~1.3 ms more, 0.35%): after 16 tokens, then 32, 64 and
+# 128, ~1.5% per 256 tokens, and a generation that falls into a loop is caught within ~30 tokens. A
+# draft model's probe also runs a catch-up forward over the paused stretch (compiled, no graph) and
+# k draft steps: ~6-12 ms, 2-3%; with the two verifies of a new request, a 5% loss leaves room for
+# about one probe per 256 tokens: after 128 tokens, then every 256.
+FIRST_PAUSE = {"ngram": 16, "draft": 128}
+_BACKOFF_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -63,7 +76,9 @@ class SpeculativeConfig:
             (large batches are compute bound: verifying ``k + 1`` tokens per sequence costs about
             ``k + 1`` decode steps there).
         min_mean_accepted: a request whose moving average of accepted drafts per verify step
-            falls below this stops speculating for a while (16 to 256 generated tokens).
+            falls below this stops speculating for a while (16 to 256 generated tokens), then
+            probes again with one verify step, which accepts at least this many drafts to end
+            the pause.
 
     A step verifies drafts only when none of the requests running or waiting uses penalties,
     ``logprobs`` or has samples still to fork (``n > 1`` before its prompt completes); such
@@ -154,17 +169,19 @@ class SpecState:
     """One request's speculation bookkeeping (``Sequence.spec``)."""
 
     proposer: NgramProposer | None = None
+    first_pause: int = FIRST_PAUSE["ngram"]  # generated tokens of the first back-off
     drafts: list[int] = field(default_factory=list)  # the real drafts of the next verify step
     drafting: bool = False  # drafts in the next step (else its verify rows are padding)
     mean_accepted: float | None = None  # moving average of accepted drafts per verify
     off_until: int = 0  # no speculation before this many generated tokens
-    backoff: int = _BACKOFF_MIN
+    missed: bool = False  # its last n-gram lookup found nothing
+    pause: int = 0  # generated tokens of the last back-off (0: not backed off)
     draft_computed: int = 0  # a draft model's cache holds K/V of tokens before this position
 
     @property
     def backed_off(self) -> bool:
-        """Backed off at least once and not yet back to a good average."""
-        return self.backoff > _BACKOFF_MIN
+        """Backed off, and no probe went well since: it drafts only on probe steps."""
+        return self.pause > 0
 
     def blocks_dropped(self) -> None:
         """The sequence lost its blocks (preempted or finished): a draft model's KV is gone."""
@@ -173,15 +190,16 @@ class SpecState:
 
     def observe(self, num_generated: int, accepted: int, threshold: float) -> None:
         """Update the moving average after a verify; back off when it falls below
-        ``threshold``, doubling the pause each time (reset when a probe goes well)."""
+        ``threshold``, doubling the pause each time; a probe that accepts ``threshold`` or more
+        ends the back-off."""
         avg = max(_PRIOR, threshold) if self.mean_accepted is None else self.mean_accepted
         self.mean_accepted = (1 - _EMA) * avg + _EMA * accepted
         if self.mean_accepted < threshold:
-            self.off_until = num_generated + self.backoff
-            self.backoff = min(2 * self.backoff, _BACKOFF_MAX)
-            self.mean_accepted = None  # the next probe starts afresh
+            self.pause = min(2 * self.pause, _BACKOFF_MAX) if self.pause else self.first_pause
+            self.off_until = num_generated + self.pause
+            self.mean_accepted = threshold  # the probe: below the threshold backs off again
         elif accepted >= threshold:
-            self.backoff = _BACKOFF_MIN
+            self.pause = 0
 
 
 def accept_drafts(

@@ -1,12 +1,13 @@
 """The LLM's side of speculative decoding: which requests draft, the drafts, and their verdicts.
 
 Per step (no overlap while any request speculates: how many tokens a verify step gives each
-sequence is known only once its result is read):
+sequence is known only once its result is read; :meth:`Speculator.may_draft` tells the LLM
+whether the next step may verify, :meth:`Speculator.count_step` counts every step launched):
 
 1. :meth:`Speculator.plan` sets ``Sequence.num_draft`` for the running requests that may speculate
    (decoding, not backed off, no penalties, the step at most ``disable_by_batch_size`` sequences).
    With n-grams, every candidate looks its drafts up now; when nobody finds one, nobody speculates
-   (and they pause for a few tokens). Otherwise every decoding sequence of the step verifies ``k``
+   (and they pause for a token, or for a few after two lookups in a row found nothing). Otherwise every decoding sequence of the step verifies ``k``
    rows, those with fewer real drafts (or none: backed off, penalties) padded, so that the step's
    shape is one of the target-verify CUDA graphs; padding is never accepted, and a sequence without
    real drafts gets exactly the token a plain decode step would give it.
@@ -14,7 +15,8 @@ sequence is known only once its result is read):
 3. :meth:`Speculator.fill` writes the drafts into the step's input ids (a draft model proposes them
    here) and returns what :func:`~paged_ops.engine.rejection.verify` needs per logits row.
 4. :meth:`Speculator.resolve` turns the verify step's ``[3, R]`` result into the accepted drafts
-   and the next token of each sequence, and keeps the counters and each request's back-off.
+   and the next token of each sequence, and keeps each request's back-off;
+   :meth:`Speculator.postprocessed` counts the accepted drafts that the sequences kept.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from paged_ops.engine.sampler import SamplingBatch
 from paged_ops.engine.scheduler import ScheduledBatch
 from paged_ops.engine.scheduler import Sequence as Seq
 from paged_ops.engine.speculative import (
+    FIRST_PAUSE,
     NgramProposer,
     SpecMetrics,
     SpecState,
@@ -37,11 +40,14 @@ from paged_ops.engine.speculative import (
     spec_eligible,
 )
 
-_NO_MATCH_PAUSE = 8  # generated tokens before an n-gram lookup that found nothing is tried again
-_PROBE_EVERY = 16  # a request that backed off probes again only on every 16th planned step, so
-# that the probes of a batch's requests share verify steps instead of each making its own. Only
-# steps planned here count (``plan`` runs for the steps not scheduled ahead): with overlap on they
-# are rare, and a backed-off request seldom probes again (benchmarks/NOTES.md section 14).
+_NO_MATCH_PAUSE = 8  # generated tokens before an n-gram lookup is tried again after two in a row
+# found nothing (while a request waits, its steps can be scheduled ahead). After a lookup that found
+# drafts, one that finds nothing is tried again at the next token: the token the target put in
+# place of a rejected draft is often one that occurs nowhere earlier, while the token after it
+# does (the cost is one step without overlap, against up to 8 steps without drafts).
+_PROBE_EVERY = 16  # a request that backed off probes again only on every 16th step of the LLM
+# (every step launched counts, scheduled ahead or not), so that the probes of a batch's requests
+# share verify steps (each slower than a decode step) instead of each making its own.
 
 
 class Speculator:
@@ -56,7 +62,10 @@ class Speculator:
         self.config, self.draft, self.k = config, draft, config.num_tokens
         self.metrics = SpecMetrics()
         self._real: dict[int, list[int]] = {}  # row of the step being verified -> its real drafts
-        self._steps = 0  # steps planned so far (not the steps scheduled ahead)
+        # per sequence of the step being verified that drafted: its token count before the step
+        # and the drafts it accepted (fewer are kept where it stops)
+        self._kept: list[tuple[Seq, int, int]] = []
+        self._launched = 0  # steps launched so far (planned here or scheduled ahead)
 
     def _state(self, seq: Seq) -> SpecState:
         if seq.spec is None:
@@ -64,8 +73,16 @@ class Speculator:
             proposer = (
                 NgramProposer(cfg.ngram_min, cfg.ngram_max) if cfg.method == "ngram" else None
             )
-            seq.spec = SpecState(proposer=proposer)
+            seq.spec = SpecState(proposer=proposer, first_pause=FIRST_PAUSE[cfg.method])
         return seq.spec
+
+    def count_step(self) -> None:
+        """Called by the LLM for every step it launches (planned or scheduled ahead)."""
+        self._launched += 1
+
+    def _next_is_probe_step(self) -> bool:
+        """Whether the next step launched is one where backed-off requests may probe."""
+        return (self._launched + 1) % _PROBE_EVERY == 0
 
     def plan(self, running: list[Seq], waiting: Iterable[Seq] = ()) -> bool:
         """Set ``num_draft`` of every running sequence for the next step; whether any drafts.
@@ -74,11 +91,10 @@ class Speculator:
             seq.num_draft = 0
             state = self._state(seq)
             state.drafts, state.drafting = [], False
-        self._steps += 1
         if not self._may_verify(itertools.chain(running, waiting), len(running)):
             return False
         decoding = [seq for seq in running if seq.num_computed + 1 == len(seq.tokens)]
-        probe_step = self._steps % _PROBE_EVERY == 0
+        probe_step = self._next_is_probe_step()
         candidates = [seq for seq in decoding if _due(seq.spec, seq.num_generated, probe_step)]
         if not candidates:
             return False
@@ -87,8 +103,12 @@ class Speculator:
                 seq.spec.drafts = seq.spec.proposer.propose(seq.tokens, self.k)
             if not any(seq.spec.drafts for seq in candidates):
                 for seq in candidates:
-                    seq.spec.off_until = seq.num_generated + _NO_MATCH_PAUSE
+                    state = seq.spec
+                    state.off_until = seq.num_generated + (_NO_MATCH_PAUSE if state.missed else 1)
+                    state.missed = True
                 return False
+            for seq in candidates:
+                seq.spec.missed = not seq.spec.drafts
         for seq in candidates:
             seq.spec.drafting = True
         for seq in decoding:  # the others verify padding: one graph shape for the step
@@ -96,10 +116,11 @@ class Speculator:
         return True
 
     def may_draft(self, running: list[Seq]) -> bool:
-        """Whether the next step could verify drafts (then no step is scheduled ahead)."""
+        """Whether the next step could verify drafts (then no step is scheduled ahead), by
+        :meth:`plan`'s rule, while the step before it runs (it gives each sequence a token)."""
         if not self._may_verify(running, len(running)):
             return False
-        probe_step = (self._steps + 1) % _PROBE_EVERY == 0  # as plan() will count it
+        probe_step = self._next_is_probe_step()
         return any(
             seq.spec is None or _due(seq.spec, seq.num_generated + 1, probe_step) for seq in running
         )
@@ -177,6 +198,7 @@ class Speculator:
         accepted: list[list[int]] = []
         row = 0
         m = self.metrics
+        self._kept = []
         for i, seq in enumerate(batch.seqs):
             k = batch.num_draft[i]
             if not k:
@@ -193,13 +215,17 @@ class Speculator:
             if real:
                 m.num_verify_rows += 1
                 m.num_draft_tokens += len(real)
-                m.num_accepted_tokens += len(kept)
+                self._kept.append((seq, len(seq.tokens), len(kept)))
                 seq.spec.observe(seq.num_generated, len(kept), self.config.min_mean_accepted)
         return sampled, accepted
 
-    @staticmethod
-    def rolled_back(batch: ScheduledBatch) -> None:
-        """After postprocess: a draft model's KV counts only up to the target's computed tokens."""
+    def postprocessed(self, batch: ScheduledBatch) -> None:
+        """After the verify step's tokens were appended (and cut after a stop token, a stop string
+        or the length limit): count the accepted drafts that were kept, and roll a draft model's
+        KV back to the target's computed tokens."""
+        for seq, before, accepted in self._kept:
+            self.metrics.num_accepted_tokens += min(accepted, len(seq.tokens) - before)
+        self._kept = []
         for seq in batch.seqs:
             if seq.spec is not None:
                 seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed)
