@@ -16,6 +16,7 @@ captured region; every layer's ``paged_ops::paged_attention`` then calls :meth:`
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -30,16 +31,21 @@ from paged_ops.backends.flashinfer_host import (
 from paged_ops.fp8 import is_fp8
 
 _FLOAT_WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-KV scratch size
-_float_workspaces: dict[torch.device, torch.Tensor] = {}
+# Held weakly: the planners (and their wrappers) own it, so it goes with the last of them, when
+# an LLM is closed (planners released) instead of staying for the life of the process.
+_float_workspaces: weakref.WeakValueDictionary[torch.device, torch.Tensor] = (
+    weakref.WeakValueDictionary()
+)
 
 
 def float_workspace(device: torch.device) -> torch.Tensor:
-    """One zeroed scratch buffer per device, shared by every wrapper: runs are stream-ordered."""
-    if device not in _float_workspaces:
-        _float_workspaces[device] = torch.zeros(
-            _FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device
-        )
-    return _float_workspaces[device]
+    """One zeroed scratch buffer per device, shared by every wrapper that lives at the same time
+    (runs are stream-ordered); freed once no planner holds it."""
+    workspace = _float_workspaces.get(device)
+    if workspace is None:
+        workspace = torch.zeros(_FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        _float_workspaces[device] = workspace
+    return workspace
 
 
 def prefill_backend(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
