@@ -13,7 +13,7 @@ import torch
 from paged_ops import LLM, SamplingParams, SpeculativeConfig
 from paged_ops.engine.rejection import verify
 from paged_ops.engine.sampler import SamplingBatch
-from paged_ops.engine.speculative import NgramProposer, accept_drafts
+from paged_ops.engine.speculative import FIRST_PAUSE, NgramProposer, accept_drafts
 
 transformers = pytest.importorskip("transformers")
 from engine_models import prompts_of as random_prompts  # noqa: E402
@@ -365,15 +365,22 @@ def _record_probes(llm: LLM) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "method, want_probes",
-    [("ngram", [1, 2, 31, 63, 127]), ("draft", [1, 2, 143])],  # pauses 16, 32, 64 / 128
+    "method, draft_pause, want_probes",
+    [
+        ("ngram", None, [1, 2, 31, 63, 127]),  # pauses 16, 32, 64
+        ("draft", None, [1, 2]),  # a draft model's first pause (256) outlasts the request
+        ("draft", 128, [1, 2, 143]),
+    ],
 )
 def test_backed_off_request_probes_with_one_verify_on_16th_steps_with_overlap(
-    target, monkeypatch, method, want_probes
+    target, monkeypatch, method, draft_pause, want_probes
 ):
     """Nothing is accepted: a new request verifies twice, backs off (n-gram: 16 tokens, a draft
-    model: 128), then probes with one verify on the next 16th step (steps scheduled ahead count),
-    each failed probe doubling the pause. Step 1 is the prompt's, step s + 1 samples token s."""
+    model: 256, or ``draft_pause``), then probes with one verify on the next 16th step (steps
+    scheduled ahead count), each failed probe doubling the pause. Step 1 is the prompt's, step
+    s + 1 samples token s."""
+    if draft_pause is not None:
+        monkeypatch.setitem(FIRST_PAUSE, "draft", draft_pause)
     prompt = prompts_of([8])[0]
     params = SamplingParams(max_new_tokens=200)
     opts = dict(OPTS, num_blocks=256, max_model_len=256)

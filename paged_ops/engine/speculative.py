@@ -25,7 +25,7 @@ sequence's last ``n`` tokens, ``ngram_max >= n >= ngram_min``, proposes what fol
 small draft model (:mod:`paged_ops.engine.draft`). A request whose drafts keep being rejected stops
 speculating for a while (an exponential moving average of accepted drafts per verify below
 ``min_mean_accepted`` backs it off: n-gram drafts for 16, 32, ... 256 generated tokens, a draft
-model for 128, then 256), then it probes again with one verify step (on every 16th step of the LLM,
+model for 256 each time), then it probes again with one verify step (on every 16th step of the LLM,
 so that a batch's probes share verify steps, see :mod:`paged_ops.engine.speculator`): a probe that
 accepts fewer than ``min_mean_accepted`` drafts backs it off again, one that accepts more turns
 speculation back on. Text the drafter cannot predict runs at about the speed of plain decoding, and
@@ -52,9 +52,11 @@ _PRIOR = 1.0  # the mean a new request starts from: two verifies that accept not
 # one verify step in place of a decode step (~1.3 ms more, 0.35%): after 16 tokens, then 32, 64 and
 # 128, ~1.5% per 256 tokens, and a generation that falls into a loop is caught within ~30 tokens. A
 # draft model's probe also runs a catch-up forward over the paused stretch (compiled, no graph) and
-# k draft steps: ~6-12 ms, 2-3%; with the two verifies of a new request, a 5% loss leaves room for
-# about one probe per 256 tokens: after 128 tokens, then every 256.
-FIRST_PAUSE = {"ngram": 16, "draft": 128}
+# k draft steps: ~6-12 ms, 2-3% of 256 tokens each. Measured (H100, 2-layer random draft, batch 1,
+# 256 tokens): a new request's two verifies plus one probe after 128 tokens made it 0.93x of plain
+# (0.97x of a second plain build): so a draft model waits 256 tokens from its first back-off, i.e.
+# about one failed attempt per 256 tokens after the first two.
+FIRST_PAUSE = {"ngram": 16, "draft": 256}
 _BACKOFF_MAX = 256
 
 
