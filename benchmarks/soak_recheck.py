@@ -8,7 +8,7 @@ prints, at ``position``, how far a float32 copy of the model (transformers' atte
 patched bf16 model's own forward are from choosing each of the two tokens:
 
     python3 benchmarks/soak_recheck.py --seed 102 --num-requests 2500 --index 1212 \\
-        --position 2 --soak-token 42735 --solo-token 10152 --json recheck.json
+        --position 2 --soak-token 42735 --solo-token 10152 --out recheck.json
 """
 
 from __future__ import annotations
