@@ -42,3 +42,30 @@ def test_compare_engines_runs_variants_and_compares_their_greedy_tokens(tmp_path
     assert result["variants"]["b"]["llm"] == {"max_num_seqs": 4, "prefix_caching": False}
     assert set(result["tok_s"]["2"]) == {"a", "b"}
     assert result["first_divergence"] == {"b": [None] * 16}  # same weights, same greedy tokens
+
+
+def test_profile_verify_splits_verify_and_plain_steps(tmp_path):
+    result = run_script("profile_verify.py", "--batches", "1,2", "--new-tokens", "32",
+                        out=tmp_path / "verify.json")  # fmt: skip
+    assert [row["batch"] for row in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        steps, host = row["steps"], row["host_ms_per_step"]
+        assert steps["verify"] > 0 and steps["plain"] > 0  # the prompt's step is plain
+        assert row["tokens"] == 32 * row["batch"]
+        # the copy target's drafts are mostly right: far fewer steps than tokens per sequence
+        assert steps["verify"] + steps["plain"] < 32
+        for phase in ("fill", "execute", "verify", "read_wait", "resolve", "postprocess"):
+            assert host["verify"][phase] >= 0, phase
+        assert "fill" not in host["plain"] and host["plain"]["sample"] > 0
+        assert host["verify"]["launch"] >= host["verify"]["execute"] > 0
+
+
+def test_bench_speculative_compares_with_the_same_llm_without_speculation(tmp_path):
+    result = run_script("bench_speculative.py", "--systems", "plain-copy,ngram-copy",
+                        "--batches", "1", "--new-tokens", "16", out=tmp_path / "spec.json")  # fmt: skip
+    (plain,) = result["results"]["plain-copy"]
+    (spec,) = result["results"]["ngram-copy"]
+    assert "speedup_same_llm" not in plain
+    assert spec["num_verify_rows"] > 0 and spec["tok_s_spec_off"] > 0
+    assert spec["speedup_same_llm"] == pytest.approx(spec["tok_s"] / spec["tok_s_spec_off"])
+    assert spec["equal_to_plain"] == 1
