@@ -41,6 +41,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -86,12 +87,16 @@ def prompts(n: int, length: int, vocab: int, variant: int = 0) -> list[list[int]
     return torch.randint(1, vocab, (n, length), generator=g).tolist()
 
 
+T = TypeVar("T")
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def timed(fn: Callable[[], int]) -> tuple[int, float]:
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """What ``fn`` returns, and its wall seconds (the device synchronized before and after)."""
     sync()
     t0 = time.perf_counter()
     n = fn()

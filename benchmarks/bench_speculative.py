@@ -35,9 +35,9 @@ an H100 (mostly five builds of 30-90 s each).
 For each: tok/s of a warm call (generated tokens / wall time, prefill included), speedup over
 ``plain`` and, for a speculative system, over the same ``LLM`` with its speculator detached
 (``speedup_same_llm``: calls interleaved with the speculative ones, so the 4-5% spread between two
-builds of one LLM does not enter), acceptance rate, mean tokens per verify step, and whether the greedy tokens equal
-``plain``'s (else the first differing position per request: bf16 verify and decode rows may break
-near ties differently).
+builds of one LLM does not enter), acceptance rate, mean tokens per verify step, and whether the
+greedy tokens equal ``plain``'s (else the first differing position per request: bf16 verify and
+decode rows may break near ties differently).
 
     python benchmarks/bench_speculative.py --out benchmarks/results/speculative_h100.json
     python benchmarks/bench_speculative.py --systems plain,ngram,draft=target,plain-again
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import platform
 import sys
@@ -230,13 +231,15 @@ def main(argv: list[str] | None = None) -> dict:
             ps = workload(name, b, 2)
             spec = llm.spec
             best, best_off, outs, m = None, None, None, None
+            call = functools.partial(llm.generate, ps, params, use_tqdm=False)
             for _ in range(3):  # the fastest of three calls: a late kernel variant compiles once
-                dt, outs = timed_generate(llm, ps, params)
-                best, m = (dt, llm.last_metrics) if best is None or dt < best else (best, m)
+                outs, dt = bg.timed(call)
+                if best is None or dt < best:
+                    best, m = dt, llm.last_metrics
                 if spec is not None:  # the same LLM without speculation, calls interleaved
                     llm.spec = None
                     try:
-                        dt_off, _ = timed_generate(llm, ps, params)
+                        _, dt_off = bg.timed(call)
                     finally:
                         llm.spec = spec
                     best_off = dt_off if best_off is None else min(best_off, dt_off)
@@ -284,17 +287,6 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.out).write_text(json.dumps(out, indent=2))
     print_table(results, batches)
     return out
-
-
-def timed_generate(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams
-) -> tuple[float, list]:
-    """Seconds of one ``generate`` call (the device synchronized before and after) and its outputs."""
-    bg.sync()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    bg.sync()
-    return time.perf_counter() - t0, outs
 
 
 def print_table(results: dict[str, list[dict]], batches: list[int]) -> None:

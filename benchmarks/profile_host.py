@@ -17,11 +17,14 @@ CPU measure of a host-side change; no GPU needed).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,22 +42,32 @@ PHASES = (
 )
 
 
+def wrap_phases(phases: tuple, around: Callable[..., Any]) -> None:
+    """Replace each phase's function (``(name, module, class or None, attribute)``) by one that
+    returns ``around(name, function, args, kwargs)``."""
+    for name, module, cls_name, attr in phases:
+        owner = importlib.import_module(module)
+        if cls_name is not None:
+            owner = getattr(owner, cls_name)
+        inner = getattr(owner, attr)
+
+        def wrapped(*args, _inner=inner, _name=name, **kwargs):
+            return around(_name, _inner, args, kwargs)
+
+        setattr(owner, attr, wrapped)
+
+
 def instrument(totals: Counter) -> None:
     """Wrap each phase's method so that its wall time adds up in ``totals`` (seconds)."""
-    import importlib
 
-    for name, module, cls_name, method in PHASES:
-        cls = getattr(importlib.import_module(module), cls_name)
-        inner = getattr(cls, method)
+    def around(name, inner, args, kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - t0
 
-        def timed(*args, _inner=inner, _name=name, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return _inner(*args, **kwargs)
-            finally:
-                totals[_name] += time.perf_counter() - t0
-
-        setattr(cls, method, timed)
+    wrap_phases(PHASES, around)
 
 
 def stub_forward(vocab: int, max_seqs: int) -> None:

@@ -9,8 +9,8 @@ kind (a *verify* step checks drafts, a *plain* step decodes or prefills):
 - host ms per step of each phase: ``plan`` (who drafts; n-gram lookups), ``schedule`` /
   ``schedule_ahead``, ``fill`` (the drafts into the step; a draft model's proposal loop, which
   reads its drafts back), ``execute`` (metadata, graph replay or compiled call of the target),
-  ``sample`` / ``verify`` (sampling, or the verdicts on the device), ``read_wait`` (the step's one host sync),
-  ``resolve`` (verdicts), ``postprocess``.
+  ``sample`` / ``verify`` (sampling, or the verdicts on the device), ``read_wait`` (the step's
+  one host sync), ``resolve`` (verdicts), ``postprocess``.
 
 A verify step is never overlapped, so its host phases add to the wall time; a plain step's mostly
 hide behind the device (then ``read_wait`` is the device time not covered). This is the
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import json
 import sys
 import time
@@ -38,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_generate as bg  # noqa: E402
 import bench_speculative as bs  # noqa: E402
+import profile_host as ph  # noqa: E402
 
 from paged_ops import LLM, SamplingParams  # noqa: E402
 
@@ -104,33 +104,25 @@ class Recorder:
 
 def instrument(rec: Recorder) -> None:
     """Wrap each phase so that its wall time adds up in ``rec``; launches get CUDA events."""
-    for phase, module, cls_name, attr in PHASES:
-        owner = importlib.import_module(module)
-        if cls_name is not None:
-            owner = getattr(owner, cls_name)
-        inner = getattr(owner, attr)
 
-        def timed(*args, _inner=inner, _phase=phase, **kwargs):
-            events = None
-            if _phase == "launch" and torch.cuda.is_available():
-                events = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                events[0].record()
-            t0 = time.perf_counter()
-            result = _inner(*args, **kwargs)
-            dt = time.perf_counter() - t0
-            kind = rec.kind(_phase, args, result)
-            rec.host[kind][_phase] += dt
-            if _phase == "launch":
-                rec.steps[kind] += 1
-                if events is not None:
-                    events[1].record()
-                    rec.events.append((kind, *events))
-            return result
+    def around(phase, inner, args, kwargs):
+        events = None
+        if phase == "launch" and torch.cuda.is_available():
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        t0 = time.perf_counter()
+        result = inner(*args, **kwargs)
+        dt = time.perf_counter() - t0
+        kind = rec.kind(phase, args, result)
+        rec.host[kind][phase] += dt
+        if phase == "launch":
+            rec.steps[kind] += 1
+            if events is not None:
+                events[1].record()
+                rec.events.append((kind, *events))
+        return result
 
-        setattr(owner, attr, timed)
+    ph.wrap_phases(PHASES, around)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -181,11 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
         llm.generate(workload(b, 1), SamplingParams(max_new_tokens=16, ignore_eos=True),
                      use_tqdm=False)  # fmt: skip
         rec.clear()
-        bg.sync()
-        t0 = time.perf_counter()
-        outs = llm.generate(workload(b, 2), params, use_tqdm=False)
-        bg.sync()
-        wall = time.perf_counter() - t0
+        outs, wall = bg.timed(lambda b=b: llm.generate(workload(b, 2), params, use_tqdm=False))
         m = llm.last_metrics
         tokens = sum(len(o.token_ids) for o in outs)
         device = rec.device_ms()
