@@ -41,7 +41,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -229,6 +229,24 @@ def profile_paged_ops(llm, cfg, prompt_len: int, batches: str) -> None:
         table = prof.key_averages()
         print(table.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
         print(table.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+
+
+def top_ops(fn: Callable[[], Any], limit: int) -> list[dict]:
+    """The ``limit`` ops of most self device time (self CPU time without CUDA) in one call of
+    ``fn`` under torch.profiler: ``[{"name", "calls", "self_us"}]``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync()
+
+    def self_us(e) -> float:
+        return e.self_device_time_total if on_cuda else e.self_cpu_time_total
+
+    ranked = sorted(prof.key_averages(), key=self_us, reverse=True)[:limit]
+    return [dict(name=e.key, calls=e.count, self_us=self_us(e)) for e in ranked]
 
 
 def run_hf_generate(cfg, batches, prompt_len, new_tokens, args, static: bool):

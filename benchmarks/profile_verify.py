@@ -18,6 +18,7 @@ measurement NOTES.md section 14 asks for before changing the verify path.
 
     python benchmarks/profile_verify.py --out benchmarks/results/profile_verify_h100.json
     python benchmarks/profile_verify.py --system draft-2layer --batches 1
+    python benchmarks/profile_verify.py --batches 8 --kernels 25   # + the ops of most device time
     python benchmarks/profile_verify.py --tiny --new-tokens 32     # CPU smoke run
 """
 
@@ -136,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-tokens", type=int, default=4)
     p.add_argument("--corrupt", type=float, default=0.05, help="copy target: corrupted fraction")
     p.add_argument("--backend", default="triton")
+    p.add_argument("--kernels", type=int, default=0,
+                   help="also list the N ops of most device time in one more call (torch.profiler)")  # fmt: skip
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
@@ -204,6 +207,14 @@ def main(argv: list[str] | None = None) -> dict:
                 + ", ".join(f"{k} {v:.3f}" for k, v in sorted(host.items())),
                 flush=True,
             )
+        if args.kernels:  # one more call under the profiler, so that the timed one is not perturbed
+            ops = bg.top_ops(lambda b=b: llm.generate(workload(b, 2), params, use_tqdm=False),
+                             args.kernels)  # fmt: skip
+            steps = llm.last_metrics.num_steps
+            row["top_ops"] = [dict(op, us_per_step=op["self_us"] / steps) for op in ops]
+            print(f"  top ops ({steps} steps; self us per step, calls):")
+            for op in row["top_ops"]:
+                print(f"    {op['us_per_step']:9.1f} {op['calls']:6d}  {op['name'][:90]}")
         result["rows"].append(row)
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))

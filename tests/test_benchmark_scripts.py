@@ -46,7 +46,7 @@ def test_compare_engines_runs_variants_and_compares_their_greedy_tokens(tmp_path
 
 def test_profile_verify_splits_verify_and_plain_steps(tmp_path):
     result = run_script("profile_verify.py", "--batches", "1,2", "--new-tokens", "32",
-                        out=tmp_path / "verify.json")  # fmt: skip
+                        "--kernels", "5", out=tmp_path / "verify.json")  # fmt: skip
     assert [row["batch"] for row in result["rows"]] == [1, 2]
     for row in result["rows"]:
         steps, host = row["steps"], row["host_ms_per_step"]
@@ -58,6 +58,9 @@ def test_profile_verify_splits_verify_and_plain_steps(tmp_path):
             assert host["verify"][phase] >= 0, phase
         assert "fill" not in host["plain"] and host["plain"]["sample"] > 0
         assert host["verify"]["launch"] >= host["verify"]["execute"] > 0
+        ops = row["top_ops"]  # the profiled call's ops, most time first
+        assert 0 < len(ops) <= 5 and all(op["calls"] > 0 for op in ops)
+        assert [op["self_us"] for op in ops] == sorted((op["self_us"] for op in ops), reverse=True)
 
 
 def test_bench_speculative_compares_with_the_same_llm_without_speculation(tmp_path):
