@@ -460,3 +460,31 @@ def test_a_lookup_that_finds_nothing_after_drafts_is_tried_again_next_token(targ
     got = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
     assert got == want[0]
     assert probes == [1, 6, 11, 16, 22, 27, 32, 37, 42, 56, 61, 66]
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft=target"])
+def test_verify_steps_keep_their_graph_shape_up_to_the_length_limit(target, name):
+    # Requests near max_new_tokens verify k rows as before, the rows past what they may still
+    # generate being padding: every verify step is k + 1 tokens per sequence (one target-verify
+    # graph shape on the GPU, not the compiled forward) and the output is still the plain one.
+    prompts = prompts_of([5, 9, 14, 7])
+    params = [SamplingParams(max_new_tokens=n) for n in (13, 22, 17, 30)]
+    want, _ = run(target, prompts, params)
+    llm = LLM(copy.deepcopy(target), speculative=specs(target)[name], **dict(OPTS, num_blocks=256))
+    shapes = []
+    execute = llm.runner.execute
+
+    def recording(batch, *args, **kwargs):
+        if batch.is_verify:
+            shapes.append(list(batch.num_draft))
+        return execute(batch, *args, **kwargs)
+
+    llm.runner.execute = recording
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    k = llm.spec.k
+    assert shapes and all(row == [k] * len(row) for row in shapes), shapes
+    m = llm.last_metrics
+    assert 0 < m.num_accepted_tokens <= m.num_draft_tokens
+    assert m.num_generated_tokens == sum(p.max_new_tokens for p in params)
+    assert llm.pa.allocator.num_free == llm.pa.allocator.num_blocks

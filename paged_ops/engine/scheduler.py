@@ -286,18 +286,15 @@ class Scheduler:
         )
 
     def _draft_room(self, seq: Sequence, n: int, budget: int) -> int:
-        """Draft tokens ``seq`` verifies in this step: what it asked for (``seq.num_draft``), if it
-        is decoding, the request can still use them, and budget and free blocks allow; else 0."""
+        """Draft rows ``seq`` verifies in this step: what it asked for (``seq.num_draft``), if it
+        is decoding and budget, model length and free blocks allow; else 0. Rows past what the
+        request may still generate stay (the speculator verifies padding there), so that a step
+        near the requests' length limits keeps the target-verify graphs' shape."""
         k = seq.num_draft
         if not k or n != 1 or seq.num_computed + 1 != len(seq.tokens):
             return 0
-        # the last draft's token would be generated token number num_generated + k + 1
-        k = min(
-            k,
-            budget - 1,
-            seq.params.max_new_tokens - seq.num_generated - 1,
-            self.max_model_len - len(seq.tokens) - 1,
-        )
+        # the last draft row sits at position len(tokens) + k - 1 < max_model_len
+        k = min(k, budget - 1, self.max_model_len - len(seq.tokens) - 1)
         if k <= 0:
             return 0
         more = blocks_needed(len(seq.tokens) + k, self.block_size) - len(seq.block_ids)

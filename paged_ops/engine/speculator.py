@@ -7,8 +7,9 @@ whether the next step may verify, :meth:`Speculator.count_step` counts every ste
 1. :meth:`Speculator.plan` sets ``Sequence.num_draft`` for the running requests that may speculate
    (decoding, not backed off, no penalties, the step at most ``disable_by_batch_size`` sequences).
    With n-grams, every candidate looks its drafts up now; when nobody finds one, nobody speculates
-   (and they pause for a token, or for a few after two lookups in a row found nothing). Otherwise every decoding sequence of the step verifies ``k``
-   rows, those with fewer real drafts (or none: backed off, penalties) padded, so that the step's
+   (and they pause for a token, or for a few after two lookups in a row found nothing). Otherwise
+   every decoding sequence of the step verifies ``k`` rows, those with fewer real drafts (or none:
+   backed off, penalties, fewer tokens left before ``max_new_tokens``) padded, so that the step's
    shape is one of the target-verify CUDA graphs; padding is never accepted, and a sequence without
    real drafts gets exactly the token a plain decode step would give it.
 2. The scheduler gives the verifying sequences ``k + 1`` new tokens (blocks permitting).
@@ -95,7 +96,11 @@ class Speculator:
             return False
         decoding = [seq for seq in running if seq.num_computed + 1 == len(seq.tokens)]
         probe_step = self._next_is_probe_step()
-        candidates = [seq for seq in decoding if _due(seq.spec, seq.num_generated, probe_step)]
+        candidates = [
+            seq
+            for seq in decoding
+            if _due(seq.spec, seq.num_generated, probe_step) and _room(seq) > 0
+        ]
         if not candidates:
             return False
         if self.config.method == "ngram":
@@ -122,7 +127,9 @@ class Speculator:
             return False
         probe_step = self._next_is_probe_step()
         return any(
-            seq.spec is None or _due(seq.spec, seq.num_generated + 1, probe_step) for seq in running
+            _room(seq) > 1
+            and (seq.spec is None or _due(seq.spec, seq.num_generated + 1, probe_step))
+            for seq in running
         )
 
     def _may_verify(self, seqs: Iterable[Seq], num_running: int) -> bool:
@@ -145,7 +152,8 @@ class Speculator:
         probs_of: dict[int, torch.Tensor] = {}  # row -> [k, V]
         if self.draft is None:
             for i in verifying:
-                self._real[i] = batch.seqs[i].spec.drafts[: batch.num_draft[i]]
+                seq = batch.seqs[i]
+                self._real[i] = seq.spec.drafts[: min(batch.num_draft[i], _room(seq))]
         else:
             by_k: dict[int, list[int]] = {}
             for i in verifying:
@@ -161,7 +169,7 @@ class Speculator:
                     if probs is not None:
                         probs_of[i] = probs[r]
                 for i, ids in zip(rows, drafts.tolist(), strict=True):
-                    self._real[i] = ids
+                    self._real[i] = ids[: _room(batch.seqs[i])]  # the rest: padding
         draft_ids: list[int] = []
         for i, n in enumerate(batch.num_new):
             k = batch.num_draft[i]
@@ -233,6 +241,12 @@ class Speculator:
     def close(self) -> None:
         if self.draft is not None:
             self.draft.close()
+
+
+def _room(seq: Seq) -> int:
+    """Drafts ``seq`` can still use: a verify step gives at most ``drafts + 1`` tokens, and the
+    request stops at ``max_new_tokens`` (verify rows past this verify padding)."""
+    return seq.params.max_new_tokens - seq.num_generated - 1
 
 
 def _due(state: SpecState, num_generated: int, probe_step: bool) -> bool:
