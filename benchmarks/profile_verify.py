@@ -4,8 +4,10 @@ Serves one system of ``bench_speculative.py`` (default ``ngram-copy``: the copy 
 drafts are right unless the prompt was corrupted there) at each batch size and splits, per step
 kind (a *verify* step checks drafts, a *plain* step decodes or prefills):
 
-- device ms per step: CUDA events around each launch (the device time of what it queued: the
-  target's forward, sampling or verification, and a draft model's proposals);
+- device ms per step: CUDA events around each launch (the target's forward, sampling or
+  verification, and a draft model's proposals). The first event is recorded before the launch's
+  host work, so for a step that nothing ran ahead of (every verify step) the span includes that
+  host work while the GPU waits; ``--kernels`` gives the kernels' own time;
 - host ms per step of each phase: ``plan`` (who drafts; n-gram lookups), ``schedule`` /
   ``schedule_ahead``, ``fill`` (the drafts into the step; a draft model's proposal loop, which
   reads its drafts back), ``execute`` (metadata, graph replay or compiled call of the target),
