@@ -22,6 +22,7 @@ against the bf16-cache output of the same backend, ``||o_fp8 - o_bf16|| / ||o_bf
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -438,6 +439,19 @@ def parse_kv_dtypes(names: str) -> list[torch.dtype]:
     return out
 
 
+def use_v_ahead() -> None:
+    """Every triton launch on an FP8 cache takes ``v_ahead=True`` (the launch rule otherwise)."""
+    from paged_ops.backends import triton as tb
+
+    pick = tb.launch_config
+
+    def with_v_ahead(**shape):
+        cfg = pick(**shape)
+        return dataclasses.replace(cfg, v_ahead=True) if shape.get("fp8_cache") else cfg
+
+    tb.launch_config = with_v_ahead
+
+
 def main() -> None:
     global DEVICE, DTYPE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -458,6 +472,9 @@ def main() -> None:
     parser.add_argument("--fp8-head-dims", default="64,128", help="FP8 rows: head sizes")
     parser.add_argument("--fp8-scales", choices=("head", "layer"), default="head",
                         help="FP8 scales per KV head [Hkv] or one per layer []")  # fmt: skip
+    parser.add_argument("--triton-v-ahead", action="store_true",
+                        help="triton launches on an FP8 cache load V tiles one iteration ahead "
+                             "(LaunchConfig.v_ahead: an experiment, NOTES.md section 10)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="cuda; cpu = smoke test (interpreter)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
@@ -467,6 +484,8 @@ def main() -> None:
     # CPU: on the GPU they cost time and add no comparison the table shows
     args.fp8_reference = args.device == "cpu" or "reference" in (args.backends or "").split(",")
     DEVICE, DTYPE = args.device, getattr(torch, args.dtype)
+    if args.triton_v_ahead:
+        use_v_ahead()
     if args.fp8_only and args.kv_dtypes is None:
         args.kv_dtypes = "bf16,fp8_e4m3,fp8_e5m2"
     kv_dtypes = parse_kv_dtypes(args.kv_dtypes) if args.kv_dtypes else [DTYPE]
@@ -481,6 +500,7 @@ def main() -> None:
                     repeats=args.repeats,
                     kv_dtypes=[KV_NAMES[d] for d in kv_dtypes] if run_fp8 else None,
                     fp8_scales=args.fp8_scales if run_fp8 else None,
+                    triton_v_ahead=args.triton_v_ahead,
                     fp8_kv_data="randn x per-KV-head factor 2**linspace(-1, 1); scale = amax / "
                                 "(fp8_max / 2)" if run_fp8 else None)  # fmt: skip
 

@@ -72,3 +72,22 @@ def test_bench_speculative_compares_with_the_same_llm_without_speculation(tmp_pa
     assert spec["num_verify_rows"] > 0 and spec["tok_s_spec_off"] > 0
     assert spec["speedup_same_llm"] == pytest.approx(spec["tok_s"] / spec["tok_s_spec_off"])
     assert spec["equal_to_plain"] == 1
+
+
+def test_inspect_sass_counts_the_decode_kernels_tile_loop_offline(tmp_path):
+    # Triton compiles for sm_90 without a GPU; its wheel's nvdisasm reads the cubin back.
+    triton = pytest.importorskip("triton")
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (bin_dir / "nvdisasm").exists() or not (bin_dir / "ptxas").exists():
+        pytest.skip("this triton wheel ships no CUDA tools")
+    out = tmp_path / "sass.json"
+    cmd = [sys.executable, str(BENCH / "inspect_sass.py"), "--kv", "fp8", "--head-dim", "64",
+           "--configs", "64/2/4", "--v-ahead", "0,1", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["v_ahead"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {False, True}
+    for row in rows.values():
+        assert row["registers"] > 0 and row["loop_instructions"] > 0
+        assert row["opcodes"].get("HMMA", 0) > 0  # the tile loop holds the two dots
+        assert row["opcodes"].get("F2FP", 0) > 0  # and the FP8 -> float16 conversions

@@ -122,6 +122,7 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     kernel: str = "unified"  # or "prefill": plain causal prefill/mixed steps (see launch_config)
+    v_ahead: bool = False  # FP8 cache: V tiles loaded an iteration ahead (kernel; not measured yet)
 
 
 @functools.cache
@@ -349,6 +350,7 @@ def paged_attention(
         FP8_BIAS=fp8["FP8_BIAS"],
         FP8_SUB_ULP=fp8["FP8_SUB_ULP"],
         F16_DOT=f16_dot,
+        V_AHEAD=cfg.v_ahead and fp8_cache,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

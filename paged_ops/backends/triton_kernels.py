@@ -83,11 +83,32 @@ def _load_kv(
 ):
     """Load a K or V tile and convert it (unscaled) to ``dtype``, the query's dtype.
     FP8_BITS: the cache tensor holds FP8 bit patterns as uint8 (interpreter) to decode by hand."""
+    return _load_kv_raw(ptrs, mask, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP).to(dtype)
+
+
+@triton.jit
+def _load_kv_raw(
+    ptrs,
+    mask,
+    FP8_BITS: tl.constexpr,
+    FP8_MAN: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_SUB_ULP: tl.constexpr,
+):
+    """A K or V tile as stored (FP8), or as fp32 values decoded from FP8 bits (interpreter)."""
     if FP8_BITS:
-        x = _fp8_bits_to_float(tl.load(ptrs, mask=mask, other=0), FP8_MAN, FP8_BIAS, FP8_SUB_ULP)
-    else:
-        x = tl.load(ptrs, mask=mask, other=0.0)
-    return x.to(dtype)
+        return _fp8_bits_to_float(tl.load(ptrs, mask=mask, other=0), FP8_MAN, FP8_BIAS, FP8_SUB_ULP)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _tile_offsets(table_row, tile, kv_len, stride_cn, stride_cb, BLOCK_SIZE: tl.constexpr,
+                  TILE_N: tl.constexpr):  # fmt: skip
+    """KV tile ``tile`` of a sequence: validity ``[TILE_N]`` and each position's cache offset."""
+    offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+    n_valid = offs_n < kv_len
+    blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+    return n_valid, blk * stride_cn + (offs_n % BLOCK_SIZE) * stride_cb
 
 
 # Integers that change from step to step. Triton would otherwise compile a variant per value class
@@ -306,6 +327,7 @@ def paged_attention_kernel(
     FP8_BIAS: tl.constexpr,
     FP8_SUB_ULP: tl.constexpr,
     F16_DOT: tl.constexpr,  # FP8 cache, 16-bit query: scaled float16 dots (see below)
+    V_AHEAD: tl.constexpr = False,  # FP8 cache: V tiles loaded one iteration ahead (see below)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -377,6 +399,20 @@ def paged_attention_kernel(
         scale = scale * tl.load(k_scale_ptr + kv_head * stride_ks)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     kv_base = cache_ptr + kv_head * stride_ch
+    if V_AHEAD:
+        # An FP8 V tile is the B operand of P @ V with its K dimension (KV positions) strided in
+        # memory; pipelined through shared memory as 8-bit, Triton 3.6 reads it back one byte at a
+        # time (sm_90 has no 8-bit ldmatrix.trans). Loaded into registers one iteration ahead
+        # instead, it is converted first and goes through shared memory as float16 (ldmatrix.trans)
+        # (benchmarks/NOTES.md section 10: ~11% fewer instructions per tile, compiled offline).
+        v_len = tl.where(tile_lo < tile_hi, kv_len, 0)  # no tile: nothing to load
+        v_valid, v_offs = _tile_offsets(table_row, tile_lo, v_len, stride_cn, stride_cb,
+                                        BLOCK_SIZE, TILE_N)  # fmt: skip
+        v_next = _load_kv_raw(
+            kv_base + stride_ckv + v_offs[:, None] + offs_d[None, :] * stride_cd,
+            v_valid[:, None] & d_mask[None, :],
+            FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP,
+        )  # fmt: skip
 
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] KV positions
@@ -389,9 +425,21 @@ def paged_attention_kernel(
             k = _load_kv(
                 kv_ptrs, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
             )  # [TILE_N, D_PAD]
-            v = _load_kv(
-                kv_ptrs + stride_ckv, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
-            )  # [TILE_N, D_PAD]
+            if V_AHEAD:
+                v = v_next.to(q.dtype)  # [TILE_N, D_PAD]
+                v_len = tl.where(tile + 1 < tile_hi, kv_len, 0)  # the last tile: none after it
+                v_valid, v_offs = _tile_offsets(table_row, tile + 1, v_len, stride_cn,
+                                                stride_cb, BLOCK_SIZE, TILE_N)  # fmt: skip
+                v_next = _load_kv_raw(
+                    kv_base + stride_ckv + v_offs[:, None] + offs_d[None, :] * stride_cd,
+                    v_valid[:, None] & d_mask[None, :],
+                    FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP,
+                )  # fmt: skip
+            else:
+                v = _load_kv(
+                    kv_ptrs + stride_ckv, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS,
+                    FP8_SUB_ULP,
+                )  # [TILE_N, D_PAD]  # fmt: skip
         else:
             # (written out, not through _load_kv: that form made bf16 prefill 8-10% slower on the
             # H200, benchmarks/NOTES.md section 11)
