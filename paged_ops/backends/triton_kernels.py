@@ -102,11 +102,12 @@ def _load_kv_raw(
 
 
 @triton.jit
-def _tile_offsets(table_row, tile, kv_len, stride_cn, stride_cb, BLOCK_SIZE: tl.constexpr,
-                  TILE_N: tl.constexpr):  # fmt: skip
-    """KV tile ``tile`` of a sequence: validity ``[TILE_N]`` and each position's cache offset."""
+def _v_tile_offsets(table_row, tile, tile_hi, kv_len, stride_cn, stride_cb,
+                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):  # fmt: skip
+    """For ``V_AHEAD``: tile ``tile``'s validity ``[TILE_N]`` (none where ``tile >= tile_hi``)
+    and each position's cache offset."""
     offs_n = tile * TILE_N + tl.arange(0, TILE_N)
-    n_valid = offs_n < kv_len
+    n_valid = offs_n < tl.where(tile < tile_hi, kv_len, 0)
     blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
     return n_valid, blk * stride_cn + (offs_n % BLOCK_SIZE) * stride_cb
 
@@ -404,14 +405,12 @@ def paged_attention_kernel(
         # memory; pipelined through shared memory as 8-bit, Triton 3.6 reads it back one byte at a
         # time (sm_90 has no 8-bit ldmatrix.trans). Loaded into registers one iteration ahead
         # instead, it is converted first and goes through shared memory as float16 (ldmatrix.trans)
-        # (benchmarks/NOTES.md section 10: ~11% fewer instructions per tile, compiled offline).
-        v_len = tl.where(tile_lo < tile_hi, kv_len, 0)  # no tile: nothing to load
-        v_valid, v_offs = _tile_offsets(table_row, tile_lo, v_len, stride_cn, stride_cb,
-                                        BLOCK_SIZE, TILE_N)  # fmt: skip
+        # (benchmarks/NOTES.md section 10: 14% fewer instructions per tile, compiled offline).
+        v_valid, v_offs = _v_tile_offsets(table_row, tile_lo, tile_hi, kv_len, stride_cn,
+                                          stride_cb, BLOCK_SIZE, TILE_N)  # fmt: skip
         v_next = _load_kv_raw(
             kv_base + stride_ckv + v_offs[:, None] + offs_d[None, :] * stride_cd,
-            v_valid[:, None] & d_mask[None, :],
-            FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP,
+            v_valid[:, None] & d_mask[None, :], FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP,
         )  # fmt: skip
 
     for tile in range(tile_lo, tile_hi):
@@ -427,19 +426,16 @@ def paged_attention_kernel(
             )  # [TILE_N, D_PAD]
             if V_AHEAD:
                 v = v_next.to(q.dtype)  # [TILE_N, D_PAD]
-                v_len = tl.where(tile + 1 < tile_hi, kv_len, 0)  # the last tile: none after it
-                v_valid, v_offs = _tile_offsets(table_row, tile + 1, v_len, stride_cn,
-                                                stride_cb, BLOCK_SIZE, TILE_N)  # fmt: skip
+                v_valid, v_offs = _v_tile_offsets(table_row, tile + 1, tile_hi, kv_len,
+                                                  stride_cn, stride_cb, BLOCK_SIZE, TILE_N)  # fmt: skip
                 v_next = _load_kv_raw(
                     kv_base + stride_ckv + v_offs[:, None] + offs_d[None, :] * stride_cd,
-                    v_valid[:, None] & d_mask[None, :],
-                    FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP,
+                    v_valid[:, None] & d_mask[None, :], FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP,
                 )  # fmt: skip
             else:
                 v = _load_kv(
-                    kv_ptrs + stride_ckv, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS,
-                    FP8_SUB_ULP,
-                )  # [TILE_N, D_PAD]  # fmt: skip
+                    kv_ptrs + stride_ckv, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
+                )  # [TILE_N, D_PAD]
         else:
             # (written out, not through _load_kv: that form made bf16 prefill 8-10% slower on the
             # H200, benchmarks/NOTES.md section 11)
