@@ -6,6 +6,10 @@ several replays of ``--calls`` back-to-back kernel calls. Decode reports KV byte
 
     python benchmarks/bench_triton.py --json out.json [--sweep]
     python benchmarks/bench_triton.py --head-dim 256 --sweep --sweep-kinds decode   # D=256 tiles
+    python benchmarks/bench_triton.py --kv-dtype fp8_e4m3 --sweep --sweep-kinds decode  # FP8 cache
+
+With an FP8 cache (``--kv-dtype``) the decode sweep covers 64 x 4096 and 256 x 4096 (issue 11's
+shapes), 64/128-wide tiles, 4/8 warps, 2/3 stages and ``v_ahead`` off/on; scales are 1.0.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import torch
 from paged_ops.backends import triton as tb
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16  # Llama-3-8B-like attention, bf16
+KV_DTYPE = torch.bfloat16  # the cache's dtype (--kv-dtype); queries stay bf16
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 DECODE = [(1, 16384), (8, 16384), (64, 4096), (256, 1024)]  # (batch, context)
 PREFILL = [(4, 2048), (1, 8192)]  # (prompts, prompt length), causal
 
@@ -31,6 +37,7 @@ def make_step(q_lens: list[int], kv_lens: list[int], dtype=torch.bfloat16, seed:
     need = [-(-n // BLOCK) for n in kv_lens]
     num_blocks = sum(need)
     cache = torch.randn(num_blocks, 2, BLOCK, HKV, D, device="cuda", dtype=dtype, generator=g)
+    cache = cache.to(KV_DTYPE)  # [N, 2, B, Hkv, D]
     perm = torch.randperm(num_blocks, device="cuda", generator=g).int()
     table = torch.zeros(len(kv_lens), max(need), dtype=torch.int32, device="cuda")
     start = 0
@@ -80,6 +87,7 @@ def default_config(args) -> tb.LaunchConfig:
     return tb.launch_config(
         num_tokens=query.shape[0], num_seqs=lens.shape[0], num_q_heads=HQ, num_kv_heads=HKV,
         head_dim=D, max_kv_len=table.shape[1] * BLOCK, num_sms=tb._num_sms(query.device),
+        fp8_cache=cache.element_size() == 1,
     )  # fmt: skip
 
 
@@ -87,7 +95,7 @@ def decode_rows(calls: int) -> list[dict]:
     rows = []
     for batch, ctx in DECODE:
         args = make_step([1] * batch, [ctx] * batch)
-        kv_bytes = batch * ctx * 2 * HKV * D * 2
+        kv_bytes = batch * ctx * 2 * HKV * D * KV_DTYPE.itemsize
         cfg = default_config(args)
         for label, nseg in (("auto", None), ("one_pass", 1)):
             sec = time_graph(attention(args, num_segments=nseg), calls)
@@ -131,22 +139,37 @@ def sweep(calls: int, kinds: set[str]) -> list[dict]:
     if "prefill" in kinds:
         prefill = (make_step([2048] * 4, [2048] * 4), [64, 128], [32, 64, 128], [4, 8], [2, 3])
         shapes["prefill_4x2048"] = prefill
+    fp8 = KV_DTYPE.itemsize == 1
     if "decode" in kinds:
         tiles, warps, stages = [16, 32, 64] + ([128] if D <= 64 else []), [2, 4, 8], [2, 3]
-        for batch, ctx in ((8, 16384), (64, 4096)):
+        decode_shapes = ((8, 16384), (64, 4096))
+        if fp8:
+            tiles, warps, stages = [64, 128], [4, 8], [2, 3]
+            decode_shapes = ((64, 4096), (256, 4096))
+        for batch, ctx in decode_shapes:
             step = make_step([1] * batch, [ctx] * batch)
             shapes[f"decode_{batch}x{ctx}"] = (step, [16], tiles, warps, stages)
     rows = []
     for name, (args, block_ms, tile_ns, warps, stages) in shapes.items():
-        nseg = default_config(args).num_segments
+        default = default_config(args)
+        nseg = default.num_segments
         nsegs = [nseg] if nseg == 1 else [nseg, 2 * nseg]
-        for bm, tn, w, st, ns in itertools.product(block_ms, tile_ns, warps, stages, nsegs):
-            cfg = tb.LaunchConfig(bm, bm // group, tn, ns, w, st)
+        if fp8:
+            nsegs = sorted({1, nseg, 2 * nseg})
+        aheads = [False, True] if fp8 else [False]
+        if fp8:  # the default config first, timed like the rest
+            sec = time_graph(attention(args, config=default), max(calls // 4, 2), replays=3)
+            rows.append(dict(shape=name, **asdict(default), us=sec * 1e6, default=True))
+            print(json.dumps(rows[-1]), flush=True)
+        grid = itertools.product(block_ms, tile_ns, warps, stages, nsegs, aheads)
+        for bm, tn, w, st, ns, ahead in grid:
+            cfg = tb.LaunchConfig(bm, bm // group, tn, ns, w, st, v_ahead=ahead)
             try:
                 sec = time_graph(attention(args, config=cfg), max(calls // 4, 2), replays=3)
                 rows.append(dict(shape=name, **asdict(cfg), us=sec * 1e6))
             except Exception as e:  # out of shared memory / registers: record and go on
                 rows.append(dict(shape=name, **asdict(cfg), error=type(e).__name__))
+            print(json.dumps(rows[-1]), flush=True)  # as it comes: a long sweep may time out
     return rows
 
 
@@ -157,11 +180,17 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-kinds", default="decode,prefill", help="what --sweep covers")
     parser.add_argument("--head-dim", type=int, default=D, help="head size of every shape")
+    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16",
+                        help="the cache's dtype (queries stay bf16)")  # fmt: skip
     a = parser.parse_args()
-    globals()["D"] = a.head_dim  # every helper reads the module's D
+    globals()["D"] = a.head_dim  # every helper reads the module's D and KV_DTYPE
+    globals()["KV_DTYPE"] = KV_DTYPES[a.kv_dtype]
     device = torch.cuda.get_device_name()
-    print(f"# {device}, torch {torch.__version__}, Hq={HQ} Hkv={HKV} D={D} page={BLOCK}, bf16")
-    rows = [*decode_rows(a.calls), *prefill_rows(a.calls), write_kv_row(a.calls)]
+    print(f"# {device}, torch {torch.__version__}, Hq={HQ} Hkv={HKV} D={D} page={BLOCK}, "
+          f"bf16 queries, {a.kv_dtype} cache")  # fmt: skip
+    rows = decode_rows(a.calls)
+    if KV_DTYPE.itemsize == 2:  # prefill and KV-write rows are bf16 measurements
+        rows += [*prefill_rows(a.calls), write_kv_row(a.calls)]
     print(f"{'kind':8} {'batch':>6} {'ctx':>6} {'mode':9} {'seg':>3} {'us':>9} {'figure':>16}")
     for r in rows:
         fig = (
@@ -171,7 +200,9 @@ def main() -> None:
             f"{r['kind']:8} {r['batch']:>6} {r.get('context', ''):>6} {r.get('mode', ''):9} "
             f"{r.get('segments', ''):>3} {r['us']:>9.1f} {fig:>16}"
         )
-    result = dict(device=device, torch=torch.__version__, head_dim=D, rows=rows)
+    result = dict(
+        device=device, torch=torch.__version__, head_dim=D, kv_dtype=a.kv_dtype, rows=rows
+    )
     if a.sweep:
         result["sweep"] = sweep(a.calls, set(a.sweep_kinds.split(",")))
         for name in sorted({r["shape"] for r in result["sweep"]}):
