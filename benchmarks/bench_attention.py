@@ -439,17 +439,28 @@ def parse_kv_dtypes(names: str) -> list[torch.dtype]:
     return out
 
 
-def use_v_ahead() -> None:
-    """Every triton launch on an FP8 cache takes ``v_ahead=True`` (the launch rule otherwise)."""
+def override_fp8_launches(spec: str) -> dict:
+    """Every triton launch on an FP8 cache takes the ``LaunchConfig`` fields of ``spec``
+    ("kv_ahead=1,num_stages=1,maxnreg=128"; an experiment before a launch rule changes)."""
     from paged_ops.backends import triton as tb
 
+    fields = {f.name: f.type for f in dataclasses.fields(tb.LaunchConfig)}
+    changes = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if name not in fields or not value:
+            raise ValueError(
+                f"--triton-fp8-override: {item!r} is not field=value of {list(fields)}"
+            )
+        changes[name] = bool(int(value)) if name == "kv_ahead" else int(value)
     pick = tb.launch_config
 
-    def with_v_ahead(**shape):
+    def with_changes(**shape):
         cfg = pick(**shape)
-        return dataclasses.replace(cfg, v_ahead=True) if shape.get("fp8_cache") else cfg
+        return dataclasses.replace(cfg, **changes) if shape.get("fp8_cache") else cfg
 
-    tb.launch_config = with_v_ahead
+    tb.launch_config = with_changes
+    return changes
 
 
 def main() -> None:
@@ -472,9 +483,9 @@ def main() -> None:
     parser.add_argument("--fp8-head-dims", default="64,128", help="FP8 rows: head sizes")
     parser.add_argument("--fp8-scales", choices=("head", "layer"), default="head",
                         help="FP8 scales per KV head [Hkv] or one per layer []")  # fmt: skip
-    parser.add_argument("--triton-v-ahead", action="store_true",
-                        help="triton launches on an FP8 cache load V tiles one iteration ahead "
-                             "(LaunchConfig.v_ahead: an experiment, NOTES.md section 10)")  # fmt: skip
+    parser.add_argument("--triton-fp8-override", default=None,
+                        help="LaunchConfig fields for every triton launch on an FP8 cache, e.g. "
+                             "kv_ahead=1,num_stages=1 (an experiment, NOTES.md section 10)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="cuda; cpu = smoke test (interpreter)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
@@ -484,8 +495,9 @@ def main() -> None:
     # CPU: on the GPU they cost time and add no comparison the table shows
     args.fp8_reference = args.device == "cpu" or "reference" in (args.backends or "").split(",")
     DEVICE, DTYPE = args.device, getattr(torch, args.dtype)
-    if args.triton_v_ahead:
-        use_v_ahead()
+    fp8_override = (
+        override_fp8_launches(args.triton_fp8_override) if args.triton_fp8_override else {}
+    )
     if args.fp8_only and args.kv_dtypes is None:
         args.kv_dtypes = "bf16,fp8_e4m3,fp8_e5m2"
     kv_dtypes = parse_kv_dtypes(args.kv_dtypes) if args.kv_dtypes else [DTYPE]
@@ -500,7 +512,7 @@ def main() -> None:
                     repeats=args.repeats,
                     kv_dtypes=[KV_NAMES[d] for d in kv_dtypes] if run_fp8 else None,
                     fp8_scales=args.fp8_scales if run_fp8 else None,
-                    triton_v_ahead=args.triton_v_ahead,
+                    triton_fp8_override=fp8_override,
                     fp8_kv_data="randn x per-KV-head factor 2**linspace(-1, 1); scale = amax / "
                                 "(fp8_max / 2)" if run_fp8 else None)  # fmt: skip
 

@@ -9,7 +9,7 @@ several replays of ``--calls`` back-to-back kernel calls. Decode reports KV byte
     python benchmarks/bench_triton.py --kv-dtype fp8_e4m3 --sweep --sweep-kinds decode  # FP8 cache
 
 With an FP8 cache (``--kv-dtype``) the decode sweep covers 64 x 4096 and 256 x 4096 (issue 11's
-shapes), 64/128-wide tiles, 4/8 warps, 2/3 stages and ``v_ahead`` off/on; scales are 1.0.
+shapes) over ``fp8_decode_configs``; scales are 1.0.
 """
 
 from __future__ import annotations
@@ -132,6 +132,19 @@ def write_kv_row(calls: int) -> dict:
     return dict(kind="write_kv", batch=t, us=sec * 1e6, tb_per_s=moved / sec / 1e12)
 
 
+def fp8_decode_configs(group: int, nsegs: list[int]) -> list[tb.LaunchConfig]:
+    """FP8 decode candidates: Triton's pipeline (2, 3 or 5 stages; 5 lets two K/V tiles be in
+    flight, since the block-table load takes a stage), with and without a 128-register cap (four
+    programs per SM), and K/V prefetched into registers (``kv_ahead``, one stage)."""
+    out = []
+    for tn, ns in itertools.product([64, 128], nsegs):
+        for st, cap in itertools.product([2, 3, 5], [None, 128]):
+            out.append(tb.LaunchConfig(16, 16 // group, tn, ns, 4, st, maxnreg=cap))
+        for w in (4, 8):
+            out.append(tb.LaunchConfig(16, 16 // group, tn, ns, w, 1, kv_ahead=True))
+    return out
+
+
 def sweep(calls: int, kinds: set[str]) -> list[dict]:
     """Tile/warp/stage(/segment) sweep for one prefill and two decode shapes; failures recorded."""
     group = HQ // HKV
@@ -144,7 +157,6 @@ def sweep(calls: int, kinds: set[str]) -> list[dict]:
         tiles, warps, stages = [16, 32, 64] + ([128] if D <= 64 else []), [2, 4, 8], [2, 3]
         decode_shapes = ((8, 16384), (64, 4096))
         if fp8:
-            tiles, warps, stages = [64, 128], [4, 8], [2, 3]
             decode_shapes = ((64, 4096), (256, 4096))
         for batch, ctx in decode_shapes:
             step = make_step([1] * batch, [ctx] * batch)
@@ -154,21 +166,19 @@ def sweep(calls: int, kinds: set[str]) -> list[dict]:
         default = default_config(args)
         nseg = default.num_segments
         nsegs = [nseg] if nseg == 1 else [nseg, 2 * nseg]
-        if fp8:
-            nsegs = sorted({1, nseg, 2 * nseg})
-        aheads = [False, True] if fp8 else [False]
-        if fp8:  # the default config first, timed like the rest
-            sec = time_graph(attention(args, config=default), max(calls // 4, 2), replays=3)
-            rows.append(dict(shape=name, **asdict(default), us=sec * 1e6, default=True))
-            print(json.dumps(rows[-1]), flush=True)
-        grid = itertools.product(block_ms, tile_ns, warps, stages, nsegs, aheads)
-        for bm, tn, w, st, ns, ahead in grid:
-            cfg = tb.LaunchConfig(bm, bm // group, tn, ns, w, st, v_ahead=ahead)
+        configs = [
+            tb.LaunchConfig(bm, bm // group, tn, ns, w, st)
+            for bm, tn, w, st, ns in itertools.product(block_ms, tile_ns, warps, stages, nsegs)
+        ]
+        if fp8 and name.startswith("decode"):
+            configs = [default, *fp8_decode_configs(group, sorted({1, nseg, 2 * nseg}))]
+        for cfg in configs:
             try:
                 sec = time_graph(attention(args, config=cfg), max(calls // 4, 2), replays=3)
                 rows.append(dict(shape=name, **asdict(cfg), us=sec * 1e6))
             except Exception as e:  # out of shared memory / registers: record and go on
                 rows.append(dict(shape=name, **asdict(cfg), error=type(e).__name__))
+            rows[-1]["default"] = cfg is default
             print(json.dumps(rows[-1]), flush=True)  # as it comes: a long sweep may time out
     return rows
 

@@ -384,11 +384,15 @@ def test_module_on_triton_matches_module_on_reference():
 # 32 tokens x group 2 and 64-wide KV tiles). Small tiles (8 tokens, 16-wide KV tiles) put whole blocks
 # of padding queries at negative positions, down to more than two KV tiles below 0; split-KV takes
 # 2 segments over 1 or 2 KV tiles, so the rows of short sequences also meet an empty segment.
+# kv_ahead loads each K/V tile one iteration ahead (its prologue and the last tile's empty prefetch).
 SMALL_TILES = triton_backend.LaunchConfig(16, 8, 16, 1, num_warps=4, num_stages=2)
 PADDED_PATHS = {
     "one_pass": {},
     "one_pass_small_tiles": dict(config=SMALL_TILES),
     "split_kv": dict(config=dataclasses.replace(SMALL_TILES, num_segments=2)),
+    "kv_ahead": dict(
+        config=dataclasses.replace(SMALL_TILES, num_segments=2, num_stages=1, kv_ahead=True)
+    ),
 }
 FP32, FP16 = torch.float32, torch.float16
 # (path, feature, dtype): every path runs plain (no sinks: the -inf running-max path) and everything
@@ -406,6 +410,8 @@ PADDED_CASES = [
     *[("split_kv", f, FP32) for f in ("plain", "non_causal", "everything")],
     ("split_kv", "plain", FP16),
     ("split_kv", "everything", FP16),
+    *[("kv_ahead", f, FP32) for f in ("plain", "non_causal", "everything")],
+    ("kv_ahead", "everything", FP16),
 ]
 
 

@@ -122,7 +122,8 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     kernel: str = "unified"  # or "prefill": plain causal prefill/mixed steps (see launch_config)
-    v_ahead: bool = False  # FP8 cache: V tiles loaded an iteration ahead (kernel; not measured yet)
+    kv_ahead: bool = False  # K/V tiles loaded into registers an iteration ahead (unified kernel)
+    maxnreg: int | None = None  # register cap per thread (more programs per SM; unified kernel)
 
 
 @functools.cache
@@ -350,9 +351,10 @@ def paged_attention(
         FP8_BIAS=fp8["FP8_BIAS"],
         FP8_SUB_ULP=fp8["FP8_SUB_ULP"],
         F16_DOT=f16_dot,
-        V_AHEAD=cfg.v_ahead and fp8_cache,
+        KV_AHEAD=cfg.kv_ahead,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     if nseg > 1:
         kernels.reduce_segments_kernel[(num_tokens, num_q_heads)](

@@ -102,9 +102,9 @@ def _load_kv_raw(
 
 
 @triton.jit
-def _v_tile_offsets(table_row, tile, tile_hi, kv_len, stride_cn, stride_cb,
-                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):  # fmt: skip
-    """For ``V_AHEAD``: tile ``tile``'s validity ``[TILE_N]`` (none where ``tile >= tile_hi``)
+def _kv_tile_offsets(table_row, tile, tile_hi, kv_len, stride_cn, stride_cb,
+                     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):  # fmt: skip
+    """For ``KV_AHEAD``: tile ``tile``'s validity ``[TILE_N]`` (none where ``tile >= tile_hi``)
     and each position's cache offset."""
     offs_n = tile * TILE_N + tl.arange(0, TILE_N)
     n_valid = offs_n < tl.where(tile < tile_hi, kv_len, 0)
@@ -328,7 +328,7 @@ def paged_attention_kernel(
     FP8_BIAS: tl.constexpr,
     FP8_SUB_ULP: tl.constexpr,
     F16_DOT: tl.constexpr,  # FP8 cache, 16-bit query: scaled float16 dots (see below)
-    V_AHEAD: tl.constexpr = False,  # FP8 cache: V tiles loaded one iteration ahead (see below)
+    KV_AHEAD: tl.constexpr = False,  # K/V tiles loaded into registers one iteration ahead (below)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -400,43 +400,51 @@ def paged_attention_kernel(
         scale = scale * tl.load(k_scale_ptr + kv_head * stride_ks)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     kv_base = cache_ptr + kv_head * stride_ch
-    if V_AHEAD:
-        # An FP8 V tile is the B operand of P @ V with its K dimension (KV positions) strided in
-        # memory; pipelined through shared memory as 8-bit, Triton 3.6 reads it back one byte at a
-        # time (sm_90 has no 8-bit ldmatrix.trans). Loaded into registers one iteration ahead
-        # instead, it is converted first and goes through shared memory as float16 (ldmatrix.trans)
-        # (benchmarks/NOTES.md section 10: 14% fewer instructions per tile, compiled offline).
-        v_valid, v_offs = _v_tile_offsets(table_row, tile_lo, tile_hi, kv_len, stride_cn,
-                                          stride_cb, BLOCK_SIZE, TILE_N)  # fmt: skip
+    if KV_AHEAD:
+        # Triton's pipeliner spends one of its stages on the block-table load that K/V addresses
+        # depend on, and issues the next tile's cp.async copies at the end of the loop body, just
+        # before the wait for them at the top (benchmarks/NOTES.md section 10, ncu on an H100):
+        # little of a tile's load overlaps the previous tile's math within a program. Here each
+        # tile's K and V are loaded into registers one iteration ahead (as stored, FP8 or 16-bit)
+        # and converted when their iteration comes; launched with num_stages=1.
+        kv_valid, kv_offs = _kv_tile_offsets(table_row, tile_lo, tile_hi, kv_len, stride_cn,
+                                             stride_cb, BLOCK_SIZE, TILE_N)  # fmt: skip
+        next_ptrs = kv_base + kv_offs[:, None] + offs_d[None, :] * stride_cd  # [TILE_N, D_PAD]
+        next_mask = kv_valid[:, None] & d_mask[None, :]
+        k_next = _load_kv_raw(next_ptrs, next_mask, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP)
         v_next = _load_kv_raw(
-            kv_base + stride_ckv + v_offs[:, None] + offs_d[None, :] * stride_cd,
-            v_valid[:, None] & d_mask[None, :], FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP,
+            next_ptrs + stride_ckv, next_mask, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
         )  # fmt: skip
 
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] KV positions
         n_valid = offs_n < kv_len
-        blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        offs_kv = blk * stride_cn + (offs_n % BLOCK_SIZE) * stride_cb  # [TILE_N]
-        kv_mask = n_valid[:, None] & d_mask[None, :]
-        if FP8_CACHE:
+        if KV_AHEAD:
+            k = k_next.to(q.dtype)  # [TILE_N, D_PAD]
+            v = v_next.to(q.dtype)  # [TILE_N, D_PAD]
+            kv_valid, kv_offs = _kv_tile_offsets(table_row, tile + 1, tile_hi, kv_len, stride_cn,
+                                                 stride_cb, BLOCK_SIZE, TILE_N)  # fmt: skip
+            next_ptrs = kv_base + kv_offs[:, None] + offs_d[None, :] * stride_cd
+            next_mask = kv_valid[:, None] & d_mask[None, :]
+            k_next = _load_kv_raw(next_ptrs, next_mask, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP)
+            v_next = _load_kv_raw(
+                next_ptrs + stride_ckv, next_mask, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
+            )  # fmt: skip
+        elif FP8_CACHE:
+            blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+            offs_kv = blk * stride_cn + (offs_n % BLOCK_SIZE) * stride_cb  # [TILE_N]
+            kv_mask = n_valid[:, None] & d_mask[None, :]
             kv_ptrs = kv_base + offs_kv[:, None] + offs_d[None, :] * stride_cd
             k = _load_kv(
                 kv_ptrs, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
             )  # [TILE_N, D_PAD]
-            if V_AHEAD:
-                v = v_next.to(q.dtype)  # [TILE_N, D_PAD]
-                v_valid, v_offs = _v_tile_offsets(table_row, tile + 1, tile_hi, kv_len,
-                                                  stride_cn, stride_cb, BLOCK_SIZE, TILE_N)  # fmt: skip
-                v_next = _load_kv_raw(
-                    kv_base + stride_ckv + v_offs[:, None] + offs_d[None, :] * stride_cd,
-                    v_valid[:, None] & d_mask[None, :], FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP,
-                )  # fmt: skip
-            else:
-                v = _load_kv(
-                    kv_ptrs + stride_ckv, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
-                )  # [TILE_N, D_PAD]
+            v = _load_kv(
+                kv_ptrs + stride_ckv, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
+            )  # [TILE_N, D_PAD]
         else:
+            blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+            offs_kv = blk * stride_cn + (offs_n % BLOCK_SIZE) * stride_cb  # [TILE_N]
+            kv_mask = n_valid[:, None] & d_mask[None, :]
             # (written out, not through _load_kv: that form made bf16 prefill 8-10% slower on the
             # H200, benchmarks/NOTES.md section 11)
             k = tl.load(
