@@ -15,6 +15,7 @@ shapes) over ``fp8_decode_configs``; scales are 1.0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -91,21 +92,24 @@ def default_config(args) -> tb.LaunchConfig:
     )  # fmt: skip
 
 
-def decode_rows(calls: int) -> list[dict]:
+def decode_rows(calls: int, shapes=DECODE, splits: tuple[int, ...] = (1,)) -> list[dict]:
+    """The default launch, then the same with each forced split in ``splits`` it does not pick."""
     rows = []
-    for batch, ctx in DECODE:
+    for batch, ctx in shapes:
         args = make_step([1] * batch, [ctx] * batch)
         kv_bytes = batch * ctx * 2 * HKV * D * KV_DTYPE.itemsize
         cfg = default_config(args)
-        for label, nseg in (("auto", None), ("one_pass", 1)):
-            sec = time_graph(attention(args, num_segments=nseg), calls)
-            used = cfg.num_segments if nseg is None else 1
+        modes = [("auto", None)] + [
+            ("one_pass" if n == 1 else f"split_{n}", n) for n in splits if n != cfg.num_segments
+        ]
+        for label, nseg in modes:
+            forced = None if nseg is None else dataclasses.replace(cfg, num_segments=nseg)
+            sec = time_graph(attention(args, config=forced), calls)
             rows.append(
-                dict(kind="decode", batch=batch, context=ctx, mode=label, segments=used,
+                dict(kind="decode", batch=batch, context=ctx, mode=label,
+                     segments=cfg.num_segments if nseg is None else nseg,
                      us=sec * 1e6, tb_per_s=kv_bytes / sec / 1e12)
             )  # fmt: skip
-            if cfg.num_segments == 1:
-                break  # auto already is one pass
     return rows
 
 
@@ -190,6 +194,10 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-kinds", default="decode,prefill", help="what --sweep covers")
     parser.add_argument("--head-dim", type=int, default=D, help="head size of every shape")
+    parser.add_argument("--decode-shapes", default=",".join(f"{b}x{c}" for b, c in DECODE),
+                        help="decode rows: batch x context list")  # fmt: skip
+    parser.add_argument("--splits", default="1", help="decode rows: forced splits beside the "
+                        "default launch, e.g. 1,2,4 (the default's tiles, warps, stages)")  # fmt: skip
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16",
                         help="the cache's dtype (queries stay bf16)")  # fmt: skip
     a = parser.parse_args()
@@ -198,7 +206,9 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     print(f"# {device}, torch {torch.__version__}, Hq={HQ} Hkv={HKV} D={D} page={BLOCK}, "
           f"bf16 queries, {a.kv_dtype} cache")  # fmt: skip
-    rows = decode_rows(a.calls)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in a.decode_shapes.split(",")]
+    splits = tuple(int(n) for n in a.splits.split(","))
+    rows = decode_rows(a.calls, shapes, splits)
     if KV_DTYPE.itemsize == 2:  # prefill and KV-write rows are bf16 measurements
         rows += [*prefill_rows(a.calls), write_kv_row(a.calls)]
     print(f"{'kind':8} {'batch':>6} {'ctx':>6} {'mode':9} {'seg':>3} {'us':>9} {'figure':>16}")

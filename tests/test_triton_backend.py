@@ -301,6 +301,21 @@ def test_launch_config_splits_small_decode_batches_only():
         )
 
 
+def test_fp8_decode_at_head_size_128_caps_registers_and_splits_to_fill_the_waves():
+    # Capped at 128 registers, 4 programs share an SM (528 slots on 132 SMs): 64 x 8 = 512 working
+    # programs fill one wave, so one pass; 32 x 8 = 256 fill half of it, so two segments.
+    common = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, num_sms=132, max_kv_len=4096)
+    fp8 = dict(common, fp8_cache=True)
+    for batch, segments in ((32, 2), (64, 1), (256, 1)):
+        cfg = triton_backend.launch_config(num_tokens=batch, num_seqs=batch, **fp8)
+        assert (cfg.num_segments, cfg.maxnreg, cfg.tile_n) == (segments, 128, 128), batch
+    assert triton_backend.launch_config(num_tokens=64, num_seqs=64, **common).maxnreg is None
+    small_head = dict(fp8, head_dim=64)
+    assert triton_backend.launch_config(num_tokens=64, num_seqs=64, **small_head).maxnreg is None
+    # a prefill step on an FP8 cache keeps the uncapped launch
+    assert triton_backend.launch_config(num_tokens=4096, num_seqs=2, **fp8).maxnreg is None
+
+
 def test_plain_causal_prefill_steps_take_the_prefill_kernel_and_others_the_unified_one():
     common = dict(num_q_heads=32, num_kv_heads=8, max_kv_len=4096, num_sms=132)
     choose = triton_backend.launch_config

@@ -151,9 +151,10 @@ def launch_config(
     Decode-like steps (``T <= 2 S``) use a 16-row M tile (one or a few tokens x the group); prefill
     and mixed steps a 64-row tile. When the one-pass grid would leave most SMs idle (small decode
     batches), the KV range is split into up to MAX_SEGMENTS segments. ``num_segments`` forces the split.
-    An FP8 cache decodes with 128-wide KV tiles; at D=128 also 3 stages and at least 2 segments
-    (H100 sweeps, benchmarks/NOTES.md §10: 64 x 4096 291 -> 271 us, 256 x 4096 1,094 -> 949 us);
-    at D <= 64, 2 stages and no forced split (64 x 4096: 169 -> 137 us). A bf16/fp16 cache at
+    An FP8 cache decodes with 128-wide KV tiles; at D=128 also 3 stages, at most 128 registers
+    (four programs per SM) and the split that fills the waves best (``_fp8_decode_segments``;
+    H100 sweeps, benchmarks/NOTES.md §10: 64 x 4096 291 -> 271 -> 207 us, 256 x 4096 1,094 ->
+    949 -> 801 us); at D <= 64, 2 stages and no forced split (64 x 4096: 169 -> 137 us). A bf16/fp16 cache at
     D <= 64 decodes with 128-wide KV tiles too (H200 sweep, NOTES.md section 12: 64 x 4096
     154.6 -> 134.9 us, 8 x 16384 89.8 -> 71.9 us).
     Prefill and mixed steps of plain causal layers (``plain_causal``: no window, softcap, sinks,
@@ -181,18 +182,40 @@ def launch_config(
             want = triton.cdiv(4 * num_sms, programs)  # ~4 waves: measured best on H200
             num_segments = min(MAX_SEGMENTS, triton.next_power_of_2(want), kv_tiles // 2)
             num_segments = 1 << (num_segments.bit_length() - 1)  # a power of two for tl.arange
-        if fp8_decode and d_pad > 64 and kv_tiles >= 8:
-            num_segments = max(num_segments, 2)
+        if fp8_decode and d_pad > 64:
+            # capped at 128 registers, four programs fit on an SM; split only where that fills
+            # the waves better than one pass (each split costs ~5%: partials and their reduce)
+            working = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
+            num_segments = _fp8_decode_segments(working, kv_tiles, num_segments, 4 * num_sms)
     if num_segments < 1 or num_segments & (num_segments - 1):
         raise ValueError(f"num_segments must be a power of two >= 1, got {num_segments}")
     num_warps = 4 if block_m * d_pad <= 64 * 128 else 8
     num_stages = 3 if fp8_decode and d_pad > 64 else 2
+    maxnreg = 128 if fp8_decode and d_pad > 64 and num_warps == 4 else None
     if plain_causal and not decode_like and not fp8_cache and d_pad <= 128 and num_segments == 1:
         if num_tokens >= 1024 * num_seqs:  # long prompts: 128 x 128 tiles, 8 warps
             wide = max(128, triton.next_power_of_2(group))
             return LaunchConfig(wide, wide // group, 128, 1, 8, 2, kernel="prefill")
         return LaunchConfig(block_m, block_q, 64, 1, 4, 2, kernel="prefill")
-    return LaunchConfig(block_m, block_q, tile_n, num_segments, num_warps, num_stages)
+    return LaunchConfig(block_m, block_q, tile_n, num_segments, num_warps, num_stages,
+                        maxnreg=maxnreg)  # fmt: skip
+
+
+def _fp8_decode_segments(programs: int, kv_tiles: int, at_least: int, slots: int) -> int:
+    """Split-KV segments for FP8 decode at D=128: the power of two (>= ``at_least``, each segment
+    >= 4 KV tiles) with the fewest estimated waves per unit of work, ``ceil(P n / slots) / n``
+    for ``P`` working programs and ``slots`` that run at once, plus 10% per doubling (partials,
+    their reduce, and a partly filled wave running faster than a full one). H100, 64 x 4096
+    (512 programs on 528 slots): 1 segment 207 us, 2 218 us, 4 230 us; uncapped (396 slots)
+    1 segment 242 us, 2 226 us (benchmarks/NOTES.md section 10)."""
+
+    def cost(n: int) -> float:
+        return -(-programs * n // slots) / n * (1.0 + 0.1 * (n.bit_length() - 1))
+
+    options = [at_least]
+    while options[-1] * 2 <= min(MAX_SEGMENTS, kv_tiles // 4):
+        options.append(options[-1] * 2)
+    return min(options, key=cost)
 
 
 def paged_attention(
