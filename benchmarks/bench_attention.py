@@ -441,18 +441,10 @@ def parse_kv_dtypes(names: str) -> list[torch.dtype]:
 
 def override_fp8_launches(spec: str) -> dict:
     """Every triton launch on an FP8 cache takes the ``LaunchConfig`` fields of ``spec``
-    ("kv_ahead=1,num_stages=1,maxnreg=128"; an experiment before a launch rule changes)."""
+    ("table_ahead=1,num_stages=3,maxnreg=128"; an experiment before a launch rule changes)."""
     from paged_ops.backends import triton as tb
 
-    fields = {f.name: f.type for f in dataclasses.fields(tb.LaunchConfig)}
-    changes = {}
-    for item in spec.split(","):
-        name, _, value = item.partition("=")
-        if name not in fields or not value:
-            raise ValueError(
-                f"--triton-fp8-override: {item!r} is not field=value of {list(fields)}"
-            )
-        changes[name] = bool(int(value)) if name == "kv_ahead" else int(value)
+    changes = tb.parse_launch_overrides(spec)
     pick = tb.launch_config
 
     def with_changes(**shape):
@@ -485,7 +477,7 @@ def main() -> None:
                         help="FP8 scales per KV head [Hkv] or one per layer []")  # fmt: skip
     parser.add_argument("--triton-fp8-override", default=None,
                         help="LaunchConfig fields for every triton launch on an FP8 cache, e.g. "
-                             "kv_ahead=1,num_stages=1 (an experiment, NOTES.md section 10)")  # fmt: skip
+                             "table_ahead=1,num_stages=1 (an experiment, NOTES.md section 10)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="cuda; cpu = smoke test (interpreter)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),

@@ -92,18 +92,21 @@ def default_config(args) -> tb.LaunchConfig:
     )  # fmt: skip
 
 
-def decode_rows(calls: int, shapes=DECODE, splits: tuple[int, ...] = (1,)) -> list[dict]:
-    """The default launch, then the same with each forced split in ``splits`` it does not pick."""
+def decode_rows(
+    calls: int, shapes=DECODE, splits: tuple[int, ...] = (1,), override: dict | None = None
+) -> list[dict]:
+    """The default launch (with ``override``'s fields), then the same with each forced split in
+    ``splits`` it does not pick."""
     rows = []
     for batch, ctx in shapes:
         args = make_step([1] * batch, [ctx] * batch)
         kv_bytes = batch * ctx * 2 * HKV * D * KV_DTYPE.itemsize
-        cfg = default_config(args)
+        cfg = dataclasses.replace(default_config(args), **(override or {}))
         modes = [("auto", None)] + [
             ("one_pass" if n == 1 else f"split_{n}", n) for n in splits if n != cfg.num_segments
         ]
         for label, nseg in modes:
-            forced = None if nseg is None else dataclasses.replace(cfg, num_segments=nseg)
+            forced = cfg if nseg is None else dataclasses.replace(cfg, num_segments=nseg)
             sec = time_graph(attention(args, config=forced), calls)
             rows.append(
                 dict(kind="decode", batch=batch, context=ctx, mode=label,
@@ -137,15 +140,16 @@ def write_kv_row(calls: int) -> dict:
 
 
 def fp8_decode_configs(group: int, nsegs: list[int]) -> list[tb.LaunchConfig]:
-    """FP8 decode candidates: Triton's pipeline (2, 3 or 5 stages; 5 lets two K/V tiles be in
-    flight, since the block-table load takes a stage), with and without a 128-register cap (four
-    programs per SM), and K/V prefetched into registers (``kv_ahead``, one stage)."""
+    """FP8 decode candidates: 64/128-wide tiles, 2-5 stages, with and without a 128-register cap
+    (four programs per SM) and ``table_ahead`` (block-table entries loaded a tile ahead, so that
+    the next tile's K/V copies stay in flight while this one is computed)."""
     out = []
-    for tn, ns in itertools.product([64, 128], nsegs):
-        for st, cap in itertools.product([2, 3, 5], [None, 128]):
-            out.append(tb.LaunchConfig(16, 16 // group, tn, ns, 4, st, maxnreg=cap))
-        for w in (4, 8):
-            out.append(tb.LaunchConfig(16, 16 // group, tn, ns, w, 1, kv_ahead=True))
+    for tn, ns, st, cap, ahead in itertools.product(
+        [64, 128], nsegs, [2, 3, 4, 5], [None, 128], [False, True]
+    ):
+        if ahead or st in (2, 3):  # (4 and 5 stages were measured without it in sweep 6)
+            out.append(tb.LaunchConfig(16, 16 // group, tn, ns, 4, st, maxnreg=cap,
+                                       table_ahead=ahead))  # fmt: skip
     return out
 
 
@@ -198,6 +202,8 @@ def main() -> None:
                         help="decode rows: batch x context list")  # fmt: skip
     parser.add_argument("--splits", default="1", help="decode rows: forced splits beside the "
                         "default launch, e.g. 1,2,4 (the default's tiles, warps, stages)")  # fmt: skip
+    parser.add_argument("--override", default=None, help="decode rows: LaunchConfig fields "
+                        "replacing the default's, e.g. table_ahead=1,num_stages=3")  # fmt: skip
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16",
                         help="the cache's dtype (queries stay bf16)")  # fmt: skip
     a = parser.parse_args()
@@ -208,7 +214,8 @@ def main() -> None:
           f"bf16 queries, {a.kv_dtype} cache")  # fmt: skip
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.decode_shapes.split(",")]
     splits = tuple(int(n) for n in a.splits.split(","))
-    rows = decode_rows(a.calls, shapes, splits)
+    override = tb.parse_launch_overrides(a.override) if a.override else None
+    rows = decode_rows(a.calls, shapes, splits, override)
     if KV_DTYPE.itemsize == 2:  # prefill and KV-write rows are bf16 measurements
         rows += [*prefill_rows(a.calls), write_kv_row(a.calls)]
     print(f"{'kind':8} {'batch':>6} {'ctx':>6} {'mode':9} {'seg':>3} {'us':>9} {'figure':>16}")

@@ -160,9 +160,9 @@ def test_triton_split_kv_on_an_fp8_cache(dtype, num_segments):
 
 @pytest.mark.parametrize("num_segments", [1, 2])
 @pytest.mark.parametrize("dtype", FP8)
-def test_triton_kv_ahead_loads_give_the_same_output(dtype, num_segments):
-    # LaunchConfig(kv_ahead=True) loads each K/V tile one iteration ahead into registers (instead
-    # of Triton's pipeline): the same values in the same order, so the same output.
+def test_triton_table_ahead_loads_give_the_same_output(dtype, num_segments):
+    # LaunchConfig(table_ahead=True) loads each tile's block-table entries one iteration ahead:
+    # the same K/V values in the same order, so the same output.
     needs_triton("triton")
     from paged_ops.backends.triton import LaunchConfig
 
@@ -177,7 +177,7 @@ def test_triton_kv_ahead_loads_give_the_same_output(dtype, num_segments):
                        num_stages=2)  # fmt: skip
     plain = write_and_attend(batch, "triton", config=cfg, **scales)
     ahead = attend(
-        batch, "triton", config=dataclasses.replace(cfg, kv_ahead=True, num_stages=1), **scales
+        batch, "triton", config=dataclasses.replace(cfg, table_ahead=True, num_stages=3), **scales
     )
     torch.testing.assert_close(ahead, plain, rtol=0, atol=0)
     assert_matches_dense(ahead, batch, dense_batch_f64(batch, scale=64**-0.5), rtol=3e-3)

@@ -101,17 +101,6 @@ def _load_kv_raw(
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
-@triton.jit
-def _kv_tile_offsets(table_row, tile, tile_hi, kv_len, stride_cn, stride_cb,
-                     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):  # fmt: skip
-    """For ``KV_AHEAD``: tile ``tile``'s validity ``[TILE_N]`` (none where ``tile >= tile_hi``)
-    and each position's cache offset."""
-    offs_n = tile * TILE_N + tl.arange(0, TILE_N)
-    n_valid = offs_n < tl.where(tile < tile_hi, kv_len, 0)
-    blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-    return n_valid, blk * stride_cn + (offs_n % BLOCK_SIZE) * stride_cb
-
-
 # Integers that change from step to step. Triton would otherwise compile a variant per value class
 # (== 1, divisible by 16, other) of each: new compiles (seconds each) in the middle of serving when a
 # step meets a class the warm-up did not; these kernels gain nothing from the specialisation.
@@ -328,7 +317,7 @@ def paged_attention_kernel(
     FP8_BIAS: tl.constexpr,
     FP8_SUB_ULP: tl.constexpr,
     F16_DOT: tl.constexpr,  # FP8 cache, 16-bit query: scaled float16 dots (see below)
-    KV_AHEAD: tl.constexpr = False,  # K/V tiles loaded into registers one iteration ahead (below)
+    TABLE_AHEAD: tl.constexpr = False,  # block-table entries loaded one KV tile ahead (below)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -400,40 +389,29 @@ def paged_attention_kernel(
         scale = scale * tl.load(k_scale_ptr + kv_head * stride_ks)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     kv_base = cache_ptr + kv_head * stride_ch
-    if KV_AHEAD:
-        # Triton's pipeliner spends one of its stages on the block-table load that K/V addresses
-        # depend on, and issues the next tile's cp.async copies at the end of the loop body, just
-        # before the wait for them at the top (benchmarks/NOTES.md section 10, ncu on an H100):
-        # little of a tile's load overlaps the previous tile's math within a program. Here each
-        # tile's K and V are loaded into registers one iteration ahead (as stored, FP8 or 16-bit)
-        # and converted when their iteration comes; launched with num_stages=1.
-        kv_valid, kv_offs = _kv_tile_offsets(table_row, tile_lo, tile_hi, kv_len, stride_cn,
-                                             stride_cb, BLOCK_SIZE, TILE_N)  # fmt: skip
-        next_ptrs = kv_base + kv_offs[:, None] + offs_d[None, :] * stride_cd  # [TILE_N, D_PAD]
-        next_mask = kv_valid[:, None] & d_mask[None, :]
-        k_next = _load_kv_raw(next_ptrs, next_mask, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP)
-        v_next = _load_kv_raw(
-            next_ptrs + stride_ckv, next_mask, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
-        )  # fmt: skip
+    if TABLE_AHEAD:
+        # K/V addresses come from the block table. Loaded in the iteration that uses them, the
+        # table is one more load in Triton's pipeline, which then keeps only the current tile's
+        # K/V copies in flight and waits for all of them at the top of the loop (benchmarks/NOTES.md
+        # section 10, ncu on an H100). Carried from the previous iteration instead, the next
+        # tile's K/V copies stay in flight while this tile is computed (num_stages >= 3).
+        offs_ahead = tile_lo * TILE_N + tl.arange(0, TILE_N)
+        ahead_valid = offs_ahead < tl.where(tile_lo < tile_hi, kv_len, 0)
+        blk_next = tl.load(table_row + offs_ahead // BLOCK_SIZE, mask=ahead_valid, other=0)
 
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] KV positions
         n_valid = offs_n < kv_len
-        if KV_AHEAD:
-            k = k_next.to(q.dtype)  # [TILE_N, D_PAD]
-            v = v_next.to(q.dtype)  # [TILE_N, D_PAD]
-            kv_valid, kv_offs = _kv_tile_offsets(table_row, tile + 1, tile_hi, kv_len, stride_cn,
-                                                 stride_cb, BLOCK_SIZE, TILE_N)  # fmt: skip
-            next_ptrs = kv_base + kv_offs[:, None] + offs_d[None, :] * stride_cd
-            next_mask = kv_valid[:, None] & d_mask[None, :]
-            k_next = _load_kv_raw(next_ptrs, next_mask, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP)
-            v_next = _load_kv_raw(
-                next_ptrs + stride_ckv, next_mask, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
-            )  # fmt: skip
-        elif FP8_CACHE:
+        if TABLE_AHEAD:
+            blk = blk_next.to(tl.int64)  # [TILE_N]
+            offs_ahead = offs_n + TILE_N
+            ahead_valid = offs_ahead < tl.where(tile + 1 < tile_hi, kv_len, 0)
+            blk_next = tl.load(table_row + offs_ahead // BLOCK_SIZE, mask=ahead_valid, other=0)
+        else:
             blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-            offs_kv = blk * stride_cn + (offs_n % BLOCK_SIZE) * stride_cb  # [TILE_N]
-            kv_mask = n_valid[:, None] & d_mask[None, :]
+        offs_kv = blk * stride_cn + (offs_n % BLOCK_SIZE) * stride_cb  # [TILE_N]
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+        if FP8_CACHE:
             kv_ptrs = kv_base + offs_kv[:, None] + offs_d[None, :] * stride_cd
             k = _load_kv(
                 kv_ptrs, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
@@ -442,9 +420,6 @@ def paged_attention_kernel(
                 kv_ptrs + stride_ckv, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
             )  # [TILE_N, D_PAD]
         else:
-            blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-            offs_kv = blk * stride_cn + (offs_n % BLOCK_SIZE) * stride_cb  # [TILE_N]
-            kv_mask = n_valid[:, None] & d_mask[None, :]
             # (written out, not through _load_kv: that form made bf16 prefill 8-10% slower on the
             # H200, benchmarks/NOTES.md section 11)
             k = tl.load(
