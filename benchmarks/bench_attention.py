@@ -441,7 +441,7 @@ def parse_kv_dtypes(names: str) -> list[torch.dtype]:
 
 def override_fp8_launches(spec: str) -> dict:
     """Every triton launch on an FP8 cache takes the ``LaunchConfig`` fields of ``spec``
-    ("table_ahead=1,num_stages=3,maxnreg=128"; an experiment before a launch rule changes)."""
+    ("num_stages=2,maxnreg=128"; an experiment before a launch rule changes)."""
     from paged_ops.backends import triton as tb
 
     changes = tb.parse_launch_overrides(spec)
@@ -477,7 +477,7 @@ def main() -> None:
                         help="FP8 scales per KV head [Hkv] or one per layer []")  # fmt: skip
     parser.add_argument("--triton-fp8-override", default=None,
                         help="LaunchConfig fields for every triton launch on an FP8 cache, e.g. "
-                             "table_ahead=1,num_stages=1 (an experiment, NOTES.md section 10)")  # fmt: skip
+                             "num_stages=2,maxnreg=128 (an experiment, NOTES.md section 10)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="cuda; cpu = smoke test (interpreter)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),

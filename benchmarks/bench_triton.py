@@ -140,17 +140,13 @@ def write_kv_row(calls: int) -> dict:
 
 
 def fp8_decode_configs(group: int, nsegs: list[int]) -> list[tb.LaunchConfig]:
-    """FP8 decode candidates: 64/128-wide tiles, 2-5 stages, with and without a 128-register cap
-    (four programs per SM) and ``table_ahead`` (block-table entries loaded a tile ahead, so that
-    the next tile's K/V copies stay in flight while this one is computed)."""
-    out = []
-    for tn, ns, st, cap, ahead in itertools.product(
-        [64, 128], nsegs, [2, 3, 4, 5], [None, 128], [False, True]
-    ):
-        if ahead or st in (2, 3):  # (4 and 5 stages were measured without it in sweep 6)
-            out.append(tb.LaunchConfig(16, 16 // group, tn, ns, 4, st, maxnreg=cap,
-                                       table_ahead=ahead))  # fmt: skip
-    return out
+    """FP8 decode candidates: 64/128-wide tiles, 2, 3 or 5 stages (5 keeps two K/V tiles in
+    flight: the block-table load takes a stage of Triton's pipeline), with and without a
+    128-register cap (four programs per SM at 4 warps)."""
+    return [
+        tb.LaunchConfig(16, 16 // group, tn, ns, 4, st, maxnreg=cap)
+        for tn, ns, st, cap in itertools.product([64, 128], nsegs, [2, 3, 5], [None, 128])
+    ]
 
 
 def sweep(calls: int, kinds: set[str]) -> list[dict]:
@@ -203,7 +199,7 @@ def main() -> None:
     parser.add_argument("--splits", default="1", help="decode rows: forced splits beside the "
                         "default launch, e.g. 1,2,4 (the default's tiles, warps, stages)")  # fmt: skip
     parser.add_argument("--override", default=None, help="decode rows: LaunchConfig fields "
-                        "replacing the default's, e.g. table_ahead=1,num_stages=3")  # fmt: skip
+                        "replacing the default's, e.g. num_stages=2,maxnreg=128")  # fmt: skip
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16",
                         help="the cache's dtype (queries stay bf16)")  # fmt: skip
     a = parser.parse_args()

@@ -9,7 +9,7 @@ widths of the global / shared loads. Codegen depends on the Triton version: use 
 runs (3.6 on the lent machines: ``pip install triton==3.6.0`` in a spare venv) to predict it.
 
     python benchmarks/inspect_sass.py --kv fp8,bf16 --head-dim 128 --configs 128/3/4,64/2/4
-    python benchmarks/inspect_sass.py --kv fp8 --configs 128/3/4 --table-ahead 0,1 --json out.json
+    python benchmarks/inspect_sass.py --kv fp8 --configs 128/3/4 --maxnreg 128 --json out.json
 
 A configuration is ``tile_n/num_stages/num_warps``; GQA group 4, 16-row M tile, page 16, two
 split-KV segments (what the decode launch of the benchmark shapes uses).
@@ -43,8 +43,8 @@ def load_kernels():
     return module
 
 
-def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int, table_ahead: bool,
-                   arch: int, maxnreg: int | None = None) -> bytes:  # fmt: skip
+def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int, arch: int,
+                   maxnreg: int | None = None) -> bytes:  # fmt: skip
     """The cubin of ``paged_attention_kernel`` for one decode launch (bf16 queries)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -58,7 +58,7 @@ def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
         HEAD_DIM=head_dim, CAUSAL=True, USE_WINDOW=False, USE_SOFTCAP=False, USE_SINKS=False,
         USE_ALIBI=False, NUM_SEGMENTS=2, IEEE_DOT=False, USE_K_SCALE=fp8, USE_V_SCALE=fp8,
         FP8_CACHE=fp8, FP8_BITS=False, FP8_MAN=3, FP8_BIAS=7, FP8_SUB_ULP=2.0**-9, F16_DOT=fp8,
-        TABLE_AHEAD=table_ahead, **{n: 1 for n in UNIT_STRIDES},
+        **{n: 1 for n in UNIT_STRIDES},
     )  # fmt: skip
     pointers = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
     signature = {}
@@ -122,9 +122,9 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
     return end - start + 1, ops
 
 
-def inspect_config(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
-                   table_ahead: bool, arch: int, maxnreg: int | None = None) -> dict:  # fmt: skip
-    cubin = compile_decode(kv, head_dim, tile_n, stages, warps, table_ahead, arch, maxnreg)
+def inspect_config(kv: str, head_dim: int, tile_n: int, stages: int, warps: int, arch: int,
+                   maxnreg: int | None = None) -> dict:  # fmt: skip
+    cubin = compile_decode(kv, head_dim, tile_n, stages, warps, arch, maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -139,7 +139,7 @@ def inspect_config(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
     # cp.async waits: "DEPBAR.LE SB0, n" lets n groups stay in flight (the prefetch depth)
     waits = collections.Counter(re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", sass))
     return dict(kv=kv, head_dim=head_dim, tile_n=tile_n, stages=stages, warps=warps,
-                table_ahead=table_ahead, maxnreg=maxnreg, registers=regs, stack_bytes=stack, loop_instructions=size,
+                maxnreg=maxnreg, registers=regs, stack_bytes=stack, loop_instructions=size,
                 warp_instructions_per_128_positions=size * warps * 128 // tile_n,
                 opcodes=dict(ops.most_common()), loads=dict(loads),
                 cp_async_waits=dict(waits))  # fmt: skip
@@ -150,7 +150,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--kv", default="fp8,bf16", help="cache dtypes: fp8 (e4m3), bf16")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--configs", default="128/3/4", help="tile_n/num_stages/num_warps list")
-    p.add_argument("--table-ahead", default="0", help="0, 1 or 0,1 (LaunchConfig.table_ahead)")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--maxnreg", type=int, default=None, help="register cap (Triton's maxnreg)")
     p.add_argument("--json", default=None)
@@ -162,17 +161,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for kv in args.kv.split(","):
         for config in args.configs.split(","):
             tile_n, stages, warps = (int(x) for x in config.split("/"))
-            for ahead in sorted({bool(int(x)) for x in args.table_ahead.split(",")}):
-                row = inspect_config(kv, args.head_dim, tile_n, stages, warps, ahead, args.arch,
-                                     args.maxnreg)  # fmt: skip
-                rows.append(row)
-                top = ", ".join(f"{k} {v}" for k, v in list(row["opcodes"].items())[:8])
-                print(f"{kv:>5} tile {tile_n:>3} stages {stages} warps {warps} table_ahead "
-                      f"{int(ahead)}: {row['registers']} regs, stack {row['stack_bytes']} B, loop "
-                      f"{row['loop_instructions']} instr/thread = "
-                      f"{row['warp_instructions_per_128_positions']:,} warp-instr per 128 KV "
-                      f"positions; cp.async waits {row['cp_async_waits']}; {top}",
-                      flush=True)  # fmt: skip
+            row = inspect_config(kv, args.head_dim, tile_n, stages, warps, args.arch, args.maxnreg)
+            rows.append(row)
+            top = ", ".join(f"{k} {v}" for k, v in list(row["opcodes"].items())[:8])
+            print(f"{kv:>5} tile {tile_n:>3} stages {stages} warps {warps}: {row['registers']} "
+                  f"regs, stack {row['stack_bytes']} B, loop {row['loop_instructions']} "
+                  f"instr/thread = {row['warp_instructions_per_128_positions']:,} warp-instr per "
+                  f"128 KV positions; cp.async waits {row['cp_async_waits']}; {top}",
+                  flush=True)  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows

@@ -6,7 +6,7 @@ page 16), with its default launch config unless flags change it. No timing here:
 
     ncu --clock-control none --kernel-name regex:paged_attention_kernel --launch-skip 2 \\
         --launch-count 1 --set full --page details --print-details all \\
-        python benchmarks/ncu_decode.py --kv-dtype fp8_e4m3 --table-ahead
+        python benchmarks/ncu_decode.py --kv-dtype fp8_e4m3 --maxnreg 0
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--table-ahead", action="store_true", help="LaunchConfig.table_ahead")
+    parser.add_argument("--maxnreg", type=int, default=None, help="register cap (0: none)")
     parser.add_argument("--warps", type=int, default=None, help="override the default's warps")
     parser.add_argument("--stages", type=int, default=None, help="override the default's stages")
     parser.add_argument("--launches", type=int, default=4)
@@ -34,7 +34,7 @@ def main() -> None:
     cfg = bt.default_config(step)
     cfg = dataclasses.replace(
         cfg,
-        table_ahead=a.table_ahead,
+        maxnreg=cfg.maxnreg if a.maxnreg is None else (a.maxnreg or None),
         num_warps=a.warps or cfg.num_warps,
         num_stages=a.stages or cfg.num_stages,
     )

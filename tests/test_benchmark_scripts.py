@@ -82,11 +82,11 @@ def test_inspect_sass_counts_the_decode_kernels_tile_loop_offline(tmp_path):
         pytest.skip("this triton wheel ships no CUDA tools")
     out = tmp_path / "sass.json"
     cmd = [sys.executable, str(BENCH / "inspect_sass.py"), "--kv", "fp8", "--head-dim", "64",
-           "--configs", "64/2/4", "--table-ahead", "0,1", "--json", str(out)]  # fmt: skip
+           "--configs", "64/2/4,128/3/4", "--json", str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {row["table_ahead"]: row for row in json.loads(out.read_text())}
-    assert set(rows) == {False, True}
+    rows = {row["tile_n"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {64, 128}
     for row in rows.values():
         assert row["registers"] > 0 and row["loop_instructions"] > 0
         assert row["opcodes"].get("HMMA", 0) > 0  # the tile loop holds the two dots

@@ -5,7 +5,6 @@ Outputs are compared with an independent float64 dense attention twice: over the
 (what an exact kernel computes: tight) and over the unquantized K/V (FP8's own error).
 """
 
-import dataclasses
 import os
 
 import pytest
@@ -13,7 +12,6 @@ import torch
 from paged_testing import (
     PADDED_FEATURES,
     assert_matches_dense,
-    attend,
     dense_batch_f64,
     fp8_scales,
     make_batch,
@@ -156,31 +154,6 @@ def test_triton_split_kv_on_an_fp8_cache(dtype, num_segments):
     batch = quantized_batch(base, dtype, k_scale, v_scale)
     out = write_and_attend(batch, "triton", num_segments, k_scale=k_scale, v_scale=v_scale)
     assert_matches_dense(out, batch, dense_batch_f64(batch, scale=64**-0.5), rtol=3e-3)
-
-
-@pytest.mark.parametrize("num_segments", [1, 2])
-@pytest.mark.parametrize("dtype", FP8)
-def test_triton_table_ahead_loads_give_the_same_output(dtype, num_segments):
-    # LaunchConfig(table_ahead=True) loads each tile's block-table entries one iteration ahead:
-    # the same K/V values in the same order, so the same output.
-    needs_triton("triton")
-    from paged_ops.backends.triton import LaunchConfig
-
-    base = make_batch(
-        MIXED + [(45, 1), (70, 1)], num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=8,
-        dtype=torch.float16, pad_seqs=1, seed=5,
-    )  # fmt: skip
-    k_scale, v_scale = fp8_scales("head", 2)
-    batch = quantized_batch(base, dtype, k_scale, v_scale)
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
-    cfg = LaunchConfig(block_m=16, block_q=4, tile_n=16, num_segments=num_segments, num_warps=4,
-                       num_stages=2)  # fmt: skip
-    plain = write_and_attend(batch, "triton", config=cfg, **scales)
-    ahead = attend(
-        batch, "triton", config=dataclasses.replace(cfg, table_ahead=True, num_stages=3), **scales
-    )
-    torch.testing.assert_close(ahead, plain, rtol=0, atol=0)
-    assert_matches_dense(ahead, batch, dense_batch_f64(batch, scale=64**-0.5), rtol=3e-3)
 
 
 def test_triton_matches_reference_on_the_same_fp8_cache_bit_for_bit_in_the_write():

@@ -399,16 +399,11 @@ def test_module_on_triton_matches_module_on_reference():
 # 32 tokens x group 2 and 64-wide KV tiles). Small tiles (8 tokens, 16-wide KV tiles) put whole blocks
 # of padding queries at negative positions, down to more than two KV tiles below 0; split-KV takes
 # 2 segments over 1 or 2 KV tiles, so the rows of short sequences also meet an empty segment.
-# table_ahead loads each tile's block-table entries one iteration ahead (its prologue, the empty
-# prefetch past the last tile, and a segment's next tile that belongs to the next segment).
 SMALL_TILES = triton_backend.LaunchConfig(16, 8, 16, 1, num_warps=4, num_stages=2)
 PADDED_PATHS = {
     "one_pass": {},
     "one_pass_small_tiles": dict(config=SMALL_TILES),
     "split_kv": dict(config=dataclasses.replace(SMALL_TILES, num_segments=2)),
-    "table_ahead": dict(
-        config=dataclasses.replace(SMALL_TILES, num_segments=2, num_stages=3, table_ahead=True)
-    ),
 }
 FP32, FP16 = torch.float32, torch.float16
 # (path, feature, dtype): every path runs plain (no sinks: the -inf running-max path) and everything
@@ -426,8 +421,6 @@ PADDED_CASES = [
     *[("split_kv", f, FP32) for f in ("plain", "non_causal", "everything")],
     ("split_kv", "plain", FP16),
     ("split_kv", "everything", FP16),
-    *[("table_ahead", f, FP32) for f in ("plain", "non_causal", "everything")],
-    ("table_ahead", "everything", FP16),
 ]
 
 
@@ -447,9 +440,9 @@ def test_left_padded_batch_rows_without_keys_read_zeros_like_the_reference(path,
 
 
 def test_launch_overrides_parse_field_values_and_refuse_unknown_fields():
-    spec = "table_ahead=1,num_stages=3,maxnreg=128,kernel=unified"
+    spec = "num_stages=3,maxnreg=128,kernel=unified"
     assert triton_backend.parse_launch_overrides(spec) == dict(
-        table_ahead=True, num_stages=3, maxnreg=128, kernel="unified"
+        num_stages=3, maxnreg=128, kernel="unified"
     )
     with pytest.raises(ValueError, match="'stages=3' is not field=value"):
         triton_backend.parse_launch_overrides("stages=3")

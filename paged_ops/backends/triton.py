@@ -123,12 +123,11 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     kernel: str = "unified"  # or "prefill": plain causal prefill/mixed steps (see launch_config)
-    table_ahead: bool = False  # block-table entries loaded a KV tile ahead (unified kernel)
     maxnreg: int | None = None  # register cap per thread (more programs per SM; unified kernel)
 
 
 def parse_launch_overrides(spec: str) -> dict:
-    """``"table_ahead=1,num_stages=3"`` -> ``LaunchConfig`` fields to replace (benchmarks, sweeps)."""
+    """``"num_stages=3,maxnreg=128"`` -> ``LaunchConfig`` fields to replace (benchmarks, sweeps)."""
     fields = {f.name: f.type for f in dataclasses.fields(LaunchConfig)}
     changes: dict = {}
     for item in spec.split(","):
@@ -137,8 +136,6 @@ def parse_launch_overrides(spec: str) -> dict:
             raise ValueError(f"{item!r} is not field=value with a field of {list(fields)}")
         if name == "kernel":
             changes[name] = value
-        elif name == "table_ahead":
-            changes[name] = bool(int(value))
         else:
             changes[name] = int(value)
     return changes
@@ -392,7 +389,6 @@ def paged_attention(
         FP8_BIAS=fp8["FP8_BIAS"],
         FP8_SUB_ULP=fp8["FP8_SUB_ULP"],
         F16_DOT=f16_dot,
-        TABLE_AHEAD=cfg.table_ahead,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),

@@ -317,7 +317,6 @@ def paged_attention_kernel(
     FP8_BIAS: tl.constexpr,
     FP8_SUB_ULP: tl.constexpr,
     F16_DOT: tl.constexpr,  # FP8 cache, 16-bit query: scaled float16 dots (see below)
-    TABLE_AHEAD: tl.constexpr = False,  # block-table entries loaded one KV tile ahead (below)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -389,26 +388,10 @@ def paged_attention_kernel(
         scale = scale * tl.load(k_scale_ptr + kv_head * stride_ks)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     kv_base = cache_ptr + kv_head * stride_ch
-    if TABLE_AHEAD:
-        # K/V addresses come from the block table. Loaded in the iteration that uses them, the
-        # table is one more load in Triton's pipeline, which then keeps only the current tile's
-        # K/V copies in flight and waits for all of them at the top of the loop (benchmarks/NOTES.md
-        # section 10, ncu on an H100). Carried from the previous iteration instead, the next
-        # tile's K/V copies stay in flight while this tile is computed (num_stages >= 3).
-        offs_ahead = tile_lo * TILE_N + tl.arange(0, TILE_N)
-        ahead_valid = offs_ahead < tl.where(tile_lo < tile_hi, kv_len, 0)
-        blk_next = tl.load(table_row + offs_ahead // BLOCK_SIZE, mask=ahead_valid, other=0)
-
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] KV positions
         n_valid = offs_n < kv_len
-        if TABLE_AHEAD:
-            blk = blk_next.to(tl.int64)  # [TILE_N]
-            offs_ahead = offs_n + TILE_N
-            ahead_valid = offs_ahead < tl.where(tile + 1 < tile_hi, kv_len, 0)
-            blk_next = tl.load(table_row + offs_ahead // BLOCK_SIZE, mask=ahead_valid, other=0)
-        else:
-            blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         offs_kv = blk * stride_cn + (offs_n % BLOCK_SIZE) * stride_cb  # [TILE_N]
         kv_mask = n_valid[:, None] & d_mask[None, :]
         if FP8_CACHE:
