@@ -49,7 +49,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SYSTEMS = ("paged_ops", "hf_static_compile", "hf_generate_batch", "hf_eager", "hf_native")
 
 
-def llama_1b_config(num_layers: int = 16, tiny: bool = False):
+def llama_1b_config(num_layers: int = 16, tiny: bool = False, head_dim: int = 64):
+    """Llama-3.2-1B's shape; ``head_dim`` 128 doubles the attention width (q/k/v/o and the KV
+    cache) at the same hidden size, for the head size of most larger models."""
     import transformers
 
     return transformers.LlamaConfig(
@@ -59,7 +61,7 @@ def llama_1b_config(num_layers: int = 16, tiny: bool = False):
         num_hidden_layers=num_layers,
         num_attention_heads=32,
         num_key_value_heads=8,
-        head_dim=8 if tiny else 64,
+        head_dim=8 if tiny else head_dim,
         max_position_embeddings=131072,
         rope_theta=500000.0,
         tie_word_embeddings=True,
@@ -409,6 +411,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=64,
+                        help="64 (Llama-3.2-1B) or 128 (the same model with 128-wide heads)")  # fmt: skip
     parser.add_argument("--backend", default="auto", help="paged_ops attention backend")
     parser.add_argument("--max-num-tokens", type=int, default=4096, help="paged_ops step budget")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -466,7 +470,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     kv_dtypes = args.kv_dtypes
     groups = paged_ops_groups(batches, args.prompt_len, args.extra_cases)
-    cfg = llama_1b_config(args.layers, tiny=args.tiny)
+    cfg = llama_1b_config(args.layers, tiny=args.tiny, head_dim=args.head_dim)
     results: dict[str, object] = {}
 
     def paged_ops_runner(kv_cache_dtype: str):
@@ -505,7 +509,7 @@ def main() -> None:
     meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 torch=torch.__version__, transformers=transformers.__version__,
                 python=platform.python_version(), prompt_len=args.prompt_len,
-                new_tokens=args.new_tokens, layers=args.layers, batches=batches,
+                new_tokens=args.new_tokens, layers=args.layers, head_dim=cfg.head_dim, batches=batches,
                 max_num_tokens=args.max_num_tokens, dtype="bfloat16", greedy=True,
                 ignore_eos=True, kv_cache_dtypes=kv_dtypes,
                 paged_ops_cases=[[b, p] for p, bs in groups for b in bs],
