@@ -116,16 +116,20 @@ def decode_rows(
     return rows
 
 
-def prefill_rows(calls: int) -> list[dict]:
+def prefill_rows(calls: int, with_unified: bool = False) -> list[dict]:
+    """Causal prefill with the default launch (the prefill kernel); ``with_unified`` adds the
+    unified kernel's launch for the same step (mode "unified")."""
     rows = []
     for n, length in PREFILL:
         args = make_step([length] * n, [length] * n)
         flops = 4 * HQ * D * n * length * (length + 1) / 2
-        sec = time_graph(attention(args), calls)
-        rows.append(
-            dict(kind="prefill", batch=n, context=length, mode="auto", segments=1,
-                 us=sec * 1e6, tflop_per_s=flops / sec / 1e12)
-        )  # fmt: skip
+        modes = [("auto", None)] + ([("unified", default_config(args))] if with_unified else [])
+        for label, cfg in modes:
+            sec = time_graph(attention(args, config=cfg), calls)
+            rows.append(
+                dict(kind="prefill", batch=n, context=length, mode=label, segments=1,
+                     us=sec * 1e6, tflop_per_s=flops / sec / 1e12)
+            )  # fmt: skip
     return rows
 
 
@@ -212,8 +216,10 @@ def main() -> None:
     splits = tuple(int(n) for n in a.splits.split(","))
     override = tb.parse_launch_overrides(a.override) if a.override else None
     rows = decode_rows(a.calls, shapes, splits, override)
-    if KV_DTYPE.itemsize == 2:  # prefill and KV-write rows are bf16 measurements
+    if KV_DTYPE.itemsize == 2:  # the KV-write row is a bf16 measurement
         rows += [*prefill_rows(a.calls), write_kv_row(a.calls)]
+    else:  # FP8 cache: the prefill kernel and the unified one
+        rows += prefill_rows(a.calls, with_unified=True)
     print(f"{'kind':8} {'batch':>6} {'ctx':>6} {'mode':9} {'seg':>3} {'us':>9} {'figure':>16}")
     for r in rows:
         fig = (

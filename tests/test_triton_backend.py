@@ -319,12 +319,13 @@ def test_fp8_decode_at_head_size_128_caps_registers_and_splits_to_fill_the_waves
 def test_plain_causal_prefill_steps_take_the_prefill_kernel_and_others_the_unified_one():
     common = dict(num_q_heads=32, num_kv_heads=8, max_kv_len=4096, num_sms=132)
     choose = triton_backend.launch_config
-    assert choose(
-        num_tokens=4096, num_seqs=2, head_dim=128, plain_causal=True, **common
-    ).kernel == ("prefill")
+    for fp8_cache in (False, True):
+        assert choose(
+            num_tokens=4096, num_seqs=2, head_dim=128, plain_causal=True, fp8_cache=fp8_cache,
+            **common,
+        ).kernel == ("prefill")  # fmt: skip
     for kwargs in (
         dict(num_tokens=4096, num_seqs=2, head_dim=128),  # a window, softcap, sinks or ALiBi
-        dict(num_tokens=4096, num_seqs=2, head_dim=128, plain_causal=True, fp8_cache=True),
         dict(num_tokens=4096, num_seqs=2, head_dim=256, plain_causal=True),
         dict(num_tokens=8, num_seqs=8, head_dim=128, plain_causal=True),  # decode
     ):

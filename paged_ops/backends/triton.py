@@ -172,8 +172,8 @@ def launch_config(
     949 -> 801 us); at D <= 64, 2 stages and no forced split (64 x 4096: 169 -> 137 us). A bf16/fp16 cache at
     D <= 64 decodes with 128-wide KV tiles too (H200 sweep, NOTES.md section 12: 64 x 4096
     154.6 -> 134.9 us, 8 x 16384 89.8 -> 71.9 us).
-    Prefill and mixed steps of plain causal layers (``plain_causal``: no window, softcap, sinks,
-    ALiBi or FP8 cache) with D <= 128 run the prefill kernel (masks only on the diagonal tiles,
+    Prefill and mixed steps of plain causal layers (``plain_causal``: no window, softcap, sinks
+    or ALiBi; any cache dtype) with D <= 128 run the prefill kernel (masks only on the diagonal tiles,
     unpredicated loads): 64 x 64 tiles and 4 warps, or 128 x 128 and 8 warps when the step
     averages >= 1024 tokens per sequence; 2 stages (H200 sweep, benchmarks/NOTES.md section 11:
     4 x 2048 D=128 596 -> 409 us, 1 x 8192 2,331 -> 1,339 us).
@@ -207,7 +207,7 @@ def launch_config(
     num_warps = 4 if block_m * d_pad <= 64 * 128 else 8
     num_stages = 3 if fp8_decode and d_pad > 64 else 2
     maxnreg = 128 if fp8_decode and d_pad > 64 and num_warps == 4 else None
-    if plain_causal and not decode_like and not fp8_cache and d_pad <= 128 and num_segments == 1:
+    if plain_causal and not decode_like and d_pad <= 128 and num_segments == 1:
         if num_tokens >= 1024 * num_seqs:  # long prompts: 128 x 128 tiles, 8 warps
             wide = max(128, triton.next_power_of_2(group))
             return LaunchConfig(wide, wide // group, 128, 1, 8, 2, kernel="prefill")
@@ -286,22 +286,44 @@ def paged_attention(
             f"{cfg} does not fit the GQA group {group}: need 1 <= block_q * group <= block_m"
         )
     d_pad = _d_pad(head_dim)
+    dummy = cu_seqlens_q  # stands in for absent optional tensors (never read)
+    fp8 = fp8_format(kv_cache.dtype)
+    decode_bits = fp8_cache and _interpreting()
+    f16_dot = fp8_cache and query.dtype in (torch.float16, torch.bfloat16)
+    cache_arg = kv_cache.view(torch.uint8) if decode_bits else kv_cache
+    fp8_args = dict(
+        USE_K_SCALE=k_scale is not None,
+        USE_V_SCALE=v_scale is not None,
+        FP8_CACHE=fp8_cache,
+        FP8_BITS=decode_bits,
+        FP8_MAN=fp8["FP8_MAN"],
+        FP8_BIAS=fp8["FP8_BIAS"],
+        FP8_SUB_ULP=fp8["FP8_SUB_ULP"],
+        F16_DOT=f16_dot,
+    )
+    scale_args = (
+        k_scale if k_scale is not None else dummy,
+        v_scale if v_scale is not None else dummy,
+        _scale_stride(k_scale),
+        _scale_stride(v_scale),
+    )
     if cfg.kernel == "prefill":  # (a forced config may ask for it where it does not apply)
         if not plain_causal:
             raise ValueError(
                 f"{cfg} (kernel='prefill') serves plain causal attention only: no window, "
                 "softcap, sinks or ALiBi"
             )
-        if fp8_cache or cfg.num_segments != 1:
-            raise ValueError(f"{cfg} (kernel='prefill') needs a 16/32-bit cache and one segment")
+        if cfg.num_segments != 1:
+            raise ValueError(f"{cfg} (kernel='prefill') takes one segment")
         grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads)
         kernels.prefill_attention_kernel[grid](
             out,
             query,
-            kv_cache,
+            cache_arg,
             cu_seqlens_q,
             seq_lens,
             block_table,
+            *scale_args,
             float(scale),
             num_seqs,
             num_tokens,
@@ -318,6 +340,7 @@ def paged_attention(
             D_PAD=d_pad,
             HEAD_DIM=head_dim,
             IEEE_DOT=query.dtype == torch.float32,
+            **fp8_args,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -335,11 +358,6 @@ def paged_attention(
         target = part_acc
     else:
         part_m = part_l = target = out
-    dummy = cu_seqlens_q  # stands in for absent optional tensors (never read)
-    fp8 = fp8_format(kv_cache.dtype)
-    decode_bits = fp8_cache and _interpreting()
-    f16_dot = fp8_cache and query.dtype in (torch.float16, torch.bfloat16)
-    cache_arg = kv_cache.view(torch.uint8) if decode_bits else kv_cache
     grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads, nseg)
     kernels.paged_attention_kernel[grid](
         target,
@@ -352,10 +370,7 @@ def paged_attention(
         block_table,
         sinks if sinks is not None else dummy,
         alibi_slopes if alibi_slopes is not None else dummy,
-        k_scale if k_scale is not None else dummy,
-        v_scale if v_scale is not None else dummy,
-        _scale_stride(k_scale),
-        _scale_stride(v_scale),
+        *scale_args,
         float(scale),
         float(softcap),
         int(window),
@@ -381,14 +396,7 @@ def paged_attention(
         USE_ALIBI=alibi_slopes is not None,
         NUM_SEGMENTS=nseg,
         IEEE_DOT=query.dtype == torch.float32,
-        USE_K_SCALE=k_scale is not None,
-        USE_V_SCALE=v_scale is not None,
-        FP8_CACHE=fp8_cache,
-        FP8_BITS=decode_bits,
-        FP8_MAN=fp8["FP8_MAN"],
-        FP8_BIAS=fp8["FP8_BIAS"],
-        FP8_SUB_ULP=fp8["FP8_SUB_ULP"],
-        F16_DOT=f16_dot,
+        **fp8_args,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),

@@ -101,6 +101,22 @@ def _load_kv_raw(
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
+@triton.jit
+def _float16_query(q, scale):
+    """FP8 cache, 16-bit queries: ``q`` [BLOCK_M, D_PAD] as float16 and the softmax scale to use.
+
+    FP8 -> float16 is one packed conversion per two values; FP8 -> bfloat16 costs three, and
+    conversion throughput, not memory, then bounds decode. So bf16 queries are rescaled by a power
+    of two (largest |q| of the tile -> [2^8, 2^9)) and cast to float16 (10 mantissa bits: no
+    precision lost, no overflow); the softmax scale takes the inverse power. P (in [0, 1]) and V
+    are float16 as well; accumulators stay float32."""
+    q_amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+    q_exp = (q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent, 0 for 0.0
+    shift = tl.minimum(tl.maximum(135 - q_exp, -100), 100)  # 2^shift * q_amax in [2^8, 2^9)
+    q = (q.to(tl.float32) * ((shift + 127) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+    return q, scale * ((127 - shift) << 23).to(tl.float32, bitcast=True)
+
+
 # Integers that change from step to step. Triton would otherwise compile a variant per value class
 # (== 1, divisible by 16, other) of each: new compiles (seconds each) in the middle of serving when a
 # step meets a class the warm-up did not; these kernels gain nothing from the specialisation.
@@ -347,16 +363,7 @@ def paged_attention_kernel(
         stride_qh, stride_qd, GROUP, BLOCK_Q,
     )  # fmt: skip
     if F16_DOT:
-        # FP8 -> float16 is one packed conversion per two values; FP8 -> bfloat16 costs three, and
-        # conversion throughput, not memory, then bounds decode. So with an FP8 cache, bf16
-        # queries are rescaled by a power of two (largest |q| of the tile -> [2^8, 2^9)) and cast
-        # to float16 (10 mantissa bits: no precision lost, no overflow); the softmax scale takes the
-        # inverse power. P (in [0, 1]) and V are float16 as well; accumulators stay float32.
-        q_amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
-        q_exp = (q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent, 0 for 0.0
-        shift = tl.minimum(tl.maximum(135 - q_exp, -100), 100)  # 2^shift * q_amax in [2^8, 2^9)
-        q = (q.to(tl.float32) * ((shift + 127) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
-        scale = scale * ((127 - shift) << 23).to(tl.float32, bitcast=True)
+        q, scale = _float16_query(q, scale)
 
     # KV positions any row of this block can see: [kv_lo, kv_hi). Padding queries (q_len > kv_len,
     # left padding) sit at negative positions; a block of them has last_pos < 0, so kv_hi <= 0 and
@@ -453,10 +460,14 @@ def paged_attention_kernel(
 def prefill_attention_kernel(
     out_ptr,  # [T, Hq, D]
     q_ptr,  # [T, Hq, D]
-    cache_ptr,  # [N, 2, B, Hkv, D] (16-bit or fp32, not FP8)
+    cache_ptr,  # [N, 2, B, Hkv, D] (16-bit, fp32 or FP8)
     cu_ptr,  # [S+1] int32
     seq_lens_ptr,  # [S] int32
     block_table_ptr,  # [S, W] int32
+    k_scale_ptr,  # [] or [Hkv] fp32 (FP8 cache)
+    v_scale_ptr,
+    stride_ks,  # 0: one scale per layer, 1: one per KV head
+    stride_vs,
     scale,
     num_seqs,
     num_tokens,
@@ -479,8 +490,16 @@ def prefill_attention_kernel(
     D_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    USE_K_SCALE: tl.constexpr = False,
+    USE_V_SCALE: tl.constexpr = False,
+    FP8_CACHE: tl.constexpr = False,
+    FP8_BITS: tl.constexpr = False,
+    FP8_MAN: tl.constexpr = 3,
+    FP8_BIAS: tl.constexpr = 7,
+    FP8_SUB_ULP: tl.constexpr = 2.0**-9,
+    F16_DOT: tl.constexpr = False,
 ):
-    """Plain causal attention for prefill and mixed steps (no window, softcap, sinks, ALiBi, FP8).
+    """Plain causal attention for prefill and mixed steps (no window, softcap, sinks, ALiBi).
 
     The grid, the GQA-packed M tile and the sequence search are the unified kernel's. Tiles every
     row of the block sees whole (at or before the first row's position) skip the causal mask; only
@@ -512,6 +531,10 @@ def prefill_attention_kernel(
         q_ptr, q_start, q_len, local, context, head, offs_m, offs_d, d_mask, stride_qt,
         stride_qh, stride_qd, GROUP, BLOCK_Q,
     )  # fmt: skip
+    if F16_DOT:  # FP8 cache: float16 dots, as in the unified kernel
+        q, scale = _float16_query(q, scale)
+    if USE_K_SCALE:  # FP8 cache: read = stored * scale
+        scale = scale * tl.load(k_scale_ptr + kv_head * stride_ks)
     qk_scale = scale * LOG2E
 
     first_pos = context + local * BLOCK_Q  # position of the block's first row
@@ -538,7 +561,11 @@ def prefill_attention_kernel(
         blk = tl.load(table_row + offs_ld // BLOCK_SIZE).to(tl.int64)
         offs_kv = blk * stride_cn + (offs_ld % BLOCK_SIZE) * stride_cb  # [TILE_N]
         kv_ptrs = kv_base + offs_kv[:, None] + offs_d[None, :] * stride_cd
-        k = tl.load(kv_ptrs, mask=d_mask[None, :], other=0.0)  # [TILE_N, D_PAD]
+        if FP8_CACHE:
+            k = _load_kv(kv_ptrs, d_mask[None, :], q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS,
+                         FP8_SUB_ULP)  # fmt: skip
+        else:
+            k = tl.load(kv_ptrs, mask=d_mask[None, :], other=0.0)  # [TILE_N, D_PAD]
         s = _dot(q, tl.trans(k), IEEE_DOT) * qk_scale  # [BLOCK_M, TILE_N] fp32, log2 units
         if tile >= full_hi:  # the diagonal and the KV end: causal mask
             s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -547,9 +574,15 @@ def prefill_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(kv_ptrs + stride_ckv, mask=d_mask[None, :], other=0.0)  # [TILE_N, D_PAD]
+        if FP8_CACHE:
+            v = _load_kv(kv_ptrs + stride_ckv, d_mask[None, :], q.dtype, FP8_BITS, FP8_MAN,
+                         FP8_BIAS, FP8_SUB_ULP)  # fmt: skip
+        else:
+            v = tl.load(kv_ptrs + stride_ckv, mask=d_mask[None, :], other=0.0)  # [TILE_N, D_PAD]
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
         m_i = m_new
+    if USE_V_SCALE:
+        acc = acc * tl.load(v_scale_ptr + kv_head * stride_vs)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row that sees no key reads zeros
     ptrs = out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
