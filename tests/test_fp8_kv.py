@@ -156,6 +156,28 @@ def test_triton_split_kv_on_an_fp8_cache(dtype, num_segments):
     assert_matches_dense(out, batch, dense_batch_f64(batch, scale=64**-0.5), rtol=3e-3)
 
 
+@pytest.mark.parametrize("scales", ["head", "layer"])
+@pytest.mark.parametrize("dtype", FP8)
+def test_triton_prefill_kernel_on_an_fp8_cache_matches_dense_f64(dtype, scales):
+    # Long-prompt steps on an FP8 cache take the prefill kernel (float16 dots, scales folded in);
+    # forced here with small tiles: prompts, a chunk after context and a decode row, GQA 4.
+    needs_triton("triton")
+    from paged_ops.backends.triton import LaunchConfig
+
+    base = make_batch(
+        [(0, 37), (21, 19), (0, 5), (30, 1)], num_q_heads=8, num_kv_heads=2, head_dim=64,
+        block_size=8, dtype=torch.float16, pad_seqs=1, seed=13,
+    )  # fmt: skip
+    k_scale, v_scale = fp8_scales(scales, 2)
+    batch = quantized_batch(base, dtype, k_scale, v_scale)
+    cfg = LaunchConfig(block_m=16, block_q=4, tile_n=16, num_segments=1, num_warps=4,
+                       num_stages=2, kernel="prefill")  # fmt: skip
+    out = write_and_attend(batch, "triton", config=cfg, k_scale=k_scale, v_scale=v_scale)
+    assert_matches_dense(out, batch, dense_batch_f64(batch, scale=64**-0.5), rtol=3e-3)
+    rtol = UNQUANTIZED_RTOL[dtype]
+    assert_matches_dense(out, batch, dense_batch_f64(base, scale=64**-0.5), rtol)
+
+
 def test_triton_matches_reference_on_the_same_fp8_cache_bit_for_bit_in_the_write():
     needs_triton("triton")
     base = make_batch(MIXED, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, seed=9)

@@ -327,6 +327,7 @@ def test_plain_causal_prefill_steps_take_the_prefill_kernel_and_others_the_unifi
     for kwargs in (
         dict(num_tokens=4096, num_seqs=2, head_dim=128),  # a window, softcap, sinks or ALiBi
         dict(num_tokens=4096, num_seqs=2, head_dim=256, plain_causal=True),
+        dict(num_tokens=512, num_seqs=8, head_dim=128, plain_causal=True, fp8_cache=True),
         dict(num_tokens=8, num_seqs=8, head_dim=128, plain_causal=True),  # decode
     ):
         assert choose(**kwargs, **common).kernel == "unified", kwargs

@@ -173,7 +173,7 @@ def launch_config(
     D <= 64 decodes with 128-wide KV tiles too (H200 sweep, NOTES.md section 12: 64 x 4096
     154.6 -> 134.9 us, 8 x 16384 89.8 -> 71.9 us).
     Prefill and mixed steps of plain causal layers (``plain_causal``: no window, softcap, sinks
-    or ALiBi; any cache dtype) with D <= 128 run the prefill kernel (masks only on the diagonal tiles,
+    or ALiBi; on an FP8 cache only the long-prompt steps) with D <= 128 run the prefill kernel (masks only on the diagonal tiles,
     unpredicated loads): 64 x 64 tiles and 4 warps, or 128 x 128 and 8 warps when the step
     averages >= 1024 tokens per sequence; 2 stages (H200 sweep, benchmarks/NOTES.md section 11:
     4 x 2048 D=128 596 -> 409 us, 1 x 8192 2,331 -> 1,339 us).
@@ -211,7 +211,11 @@ def launch_config(
         if num_tokens >= 1024 * num_seqs:  # long prompts: 128 x 128 tiles, 8 warps
             wide = max(128, triton.next_power_of_2(group))
             return LaunchConfig(wide, wide // group, 128, 1, 8, 2, kernel="prefill")
-        return LaunchConfig(block_m, block_q, 64, 1, 4, 2, kernel="prefill")
+        # An FP8 cache takes the prefill kernel for long prompts only: measured 1.24-1.32x faster
+        # than the unified kernel there (H100, 4 x 2048 and 1 x 8192); short-prompt steps were not
+        # measured apart, and one end-to-end run at 256 x 128 read 0.95x (NOTES.md section 10).
+        if not fp8_cache:
+            return LaunchConfig(block_m, block_q, 64, 1, 4, 2, kernel="prefill")
     return LaunchConfig(block_m, block_q, tile_n, num_segments, num_warps, num_stages,
                         maxnreg=maxnreg)  # fmt: skip
 
