@@ -128,16 +128,13 @@ class LaunchConfig:
 
 def parse_launch_overrides(spec: str) -> dict:
     """``"num_stages=3,maxnreg=128"`` -> ``LaunchConfig`` fields to replace (benchmarks, sweeps)."""
-    fields = {f.name: f.type for f in dataclasses.fields(LaunchConfig)}
+    fields = [f.name for f in dataclasses.fields(LaunchConfig)]
     changes: dict = {}
     for item in spec.split(","):
         name, _, value = item.partition("=")
         if name not in fields or not value:
-            raise ValueError(f"{item!r} is not field=value with a field of {list(fields)}")
-        if name == "kernel":
-            changes[name] = value
-        else:
-            changes[name] = int(value)
+            raise ValueError(f"{item!r} is not field=value with a field of {fields}")
+        changes[name] = value if name == "kernel" else int(value)
     return changes
 
 
@@ -169,12 +166,12 @@ def launch_config(
     An FP8 cache decodes with 128-wide KV tiles; at D=128 also 3 stages, at most 128 registers
     (four programs per SM) and the split that fills the waves best (``_fp8_decode_segments``;
     H100 sweeps, benchmarks/NOTES.md §10: 64 x 4096 291 -> 271 -> 207 us, 256 x 4096 1,094 ->
-    949 -> 801 us); at D <= 64, 2 stages and no forced split (64 x 4096: 169 -> 137 us). A bf16/fp16 cache at
-    D <= 64 decodes with 128-wide KV tiles too (H200 sweep, NOTES.md section 12: 64 x 4096
-    154.6 -> 134.9 us, 8 x 16384 89.8 -> 71.9 us).
+    949 -> 801 us); at D <= 64, 2 stages and no forced split (64 x 4096: 169 -> 137 us). A
+    bf16/fp16 cache at D <= 64 decodes with 128-wide KV tiles too (H200 sweep, NOTES.md section
+    12: 64 x 4096 154.6 -> 134.9 us, 8 x 16384 89.8 -> 71.9 us).
     Prefill and mixed steps of plain causal layers (``plain_causal``: no window, softcap, sinks
-    or ALiBi; on an FP8 cache only the long-prompt steps) with D <= 128 run the prefill kernel (masks only on the diagonal tiles,
-    unpredicated loads): 64 x 64 tiles and 4 warps, or 128 x 128 and 8 warps when the step
+    or ALiBi; on an FP8 cache only the long-prompt steps) with D <= 128 run the prefill kernel
+    (masks only on the diagonal tiles, unpredicated loads): 64 x 64 tiles and 4 warps, or 128 x 128 and 8 warps when the step
     averages >= 1024 tokens per sequence; 2 stages (H200 sweep, benchmarks/NOTES.md section 11:
     4 x 2048 D=128 596 -> 409 us, 1 x 8192 2,331 -> 1,339 us).
     """
@@ -187,6 +184,7 @@ def launch_config(
     # 8 x 16384); prefill keeps 32 (its 64-row M tile and fp32 accumulator fill the registers).
     tile_n = 64 if d_pad <= 128 or decode_like else 32
     fp8_decode = fp8_cache and decode_like and d_pad <= 128
+    fp8_decode_128 = fp8_decode and d_pad > 64  # its own stages, register cap and split rule
     if fp8_decode or (decode_like and d_pad <= 64):
         tile_n = 128
     if num_segments is None:
@@ -197,7 +195,7 @@ def launch_config(
             want = triton.cdiv(4 * num_sms, programs)  # ~4 waves: measured best on H200
             num_segments = min(MAX_SEGMENTS, triton.next_power_of_2(want), kv_tiles // 2)
             num_segments = 1 << (num_segments.bit_length() - 1)  # a power of two for tl.arange
-        if fp8_decode and d_pad > 64:
+        if fp8_decode_128:
             # capped at 128 registers, four programs fit on an SM; split only where that fills
             # the waves better than one pass (each split costs ~5%: partials and their reduce)
             working = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
@@ -205,8 +203,8 @@ def launch_config(
     if num_segments < 1 or num_segments & (num_segments - 1):
         raise ValueError(f"num_segments must be a power of two >= 1, got {num_segments}")
     num_warps = 4 if block_m * d_pad <= 64 * 128 else 8
-    num_stages = 3 if fp8_decode and d_pad > 64 else 2
-    maxnreg = 128 if fp8_decode and d_pad > 64 and num_warps == 4 else None
+    num_stages = 3 if fp8_decode_128 else 2
+    maxnreg = 128 if fp8_decode_128 and num_warps == 4 else None
     if plain_causal and not decode_like and d_pad <= 128 and num_segments == 1:
         if num_tokens >= 1024 * num_seqs:  # long prompts: 128 x 128 tiles, 8 warps
             wide = max(128, triton.next_power_of_2(group))
