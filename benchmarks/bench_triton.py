@@ -144,12 +144,14 @@ def write_kv_row(calls: int) -> dict:
 
 
 def fp8_decode_configs(group: int, nsegs: list[int]) -> list[tb.LaunchConfig]:
-    """FP8 decode candidates: 64/128-wide tiles, 2, 3 or 5 stages (5 keeps two K/V tiles in
-    flight: the block-table load takes a stage of Triton's pipeline), with and without a
-    128-register cap (four programs per SM at 4 warps)."""
+    """FP8 decode candidates: 64/128-wide tiles, 2 or 3 stages, with and without a 128-register
+    cap (four programs per SM at 4 warps), V converted by Triton or by inline PTX (``v_asm``).
+    (5 stages, tried in sweeps 6-7 to keep two K/V tiles in flight, never won: dropped.)"""
     return [
-        tb.LaunchConfig(16, 16 // group, tn, ns, 4, st, maxnreg=cap)
-        for tn, ns, st, cap in itertools.product([64, 128], nsegs, [2, 3, 5], [None, 128])
+        tb.LaunchConfig(16, 16 // group, tn, ns, 4, st, maxnreg=cap, v_asm=v_asm)
+        for tn, ns, st, cap, v_asm in itertools.product(
+            [64, 128], nsegs, [2, 3], [None, 128], [False, True]
+        )
     ]
 
 
@@ -175,7 +177,7 @@ def sweep(calls: int, kinds: set[str]) -> list[dict]:
         nseg = default.num_segments
         nsegs = [nseg] if nseg == 1 else [nseg, 2 * nseg]
         if fp8 and name.startswith("decode"):
-            configs = [default, *fp8_decode_configs(group, sorted({1, nseg, 2 * nseg}))]
+            configs = [default, *fp8_decode_configs(group, sorted({1, 2, nseg}))]
         else:
             configs = [
                 tb.LaunchConfig(bm, bm // group, tn, ns, w, st)

@@ -44,8 +44,9 @@ def load_kernels():
 
 
 def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int, arch: int,
-                   maxnreg: int | None = None) -> bytes:  # fmt: skip
-    """The cubin of ``paged_attention_kernel`` for one decode launch (bf16 queries)."""
+                   maxnreg: int | None = None, v_asm: bool = False) -> tuple[bytes, int]:  # fmt: skip
+    """The cubin of ``paged_attention_kernel`` for one decode launch (bf16 queries) and its
+    shared memory in bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -58,7 +59,7 @@ def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
         HEAD_DIM=head_dim, CAUSAL=True, USE_WINDOW=False, USE_SOFTCAP=False, USE_SINKS=False,
         USE_ALIBI=False, NUM_SEGMENTS=2, IEEE_DOT=False, USE_K_SCALE=fp8, USE_V_SCALE=fp8,
         FP8_CACHE=fp8, FP8_BITS=False, FP8_MAN=3, FP8_BIAS=7, FP8_SUB_ULP=2.0**-9, F16_DOT=fp8,
-        **{n: 1 for n in UNIT_STRIDES},
+        V_ASM=fp8 and v_asm, **{n: 1 for n in UNIT_STRIDES},
     )  # fmt: skip
     pointers = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
     signature = {}
@@ -87,7 +88,7 @@ def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
         target=GPUTarget("cuda", arch, 32),
         options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg),
     )
-    return kernel.asm["cubin"]
+    return kernel.asm["cubin"], kernel.metadata.shared
 
 
 def tool(name: str) -> str:
@@ -123,8 +124,8 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
 
 
 def inspect_config(kv: str, head_dim: int, tile_n: int, stages: int, warps: int, arch: int,
-                   maxnreg: int | None = None) -> dict:  # fmt: skip
-    cubin = compile_decode(kv, head_dim, tile_n, stages, warps, arch, maxnreg)
+                   maxnreg: int | None = None, v_asm: bool = False) -> dict:  # fmt: skip
+    cubin, shared = compile_decode(kv, head_dim, tile_n, stages, warps, arch, maxnreg, v_asm)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -139,7 +140,8 @@ def inspect_config(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
     # cp.async waits: "DEPBAR.LE SB0, n" lets n groups stay in flight (the prefetch depth)
     waits = collections.Counter(re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", sass))
     return dict(kv=kv, head_dim=head_dim, tile_n=tile_n, stages=stages, warps=warps,
-                maxnreg=maxnreg, registers=regs, stack_bytes=stack, loop_instructions=size,
+                maxnreg=maxnreg, v_asm=v_asm, registers=regs, stack_bytes=stack,
+                shared_bytes=shared, loop_instructions=size,
                 warp_instructions_per_128_positions=size * warps * 128 // tile_n,
                 opcodes=dict(ops.most_common()), loads=dict(loads),
                 cp_async_waits=dict(waits))  # fmt: skip
@@ -152,6 +154,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--configs", default="128/3/4", help="tile_n/num_stages/num_warps list")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--maxnreg", type=int, default=None, help="register cap (Triton's maxnreg)")
+    p.add_argument(
+        "--v-asm", action="store_true", help="FP8: V converted by inline PTX (the kernel's V_ASM)"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import triton
@@ -161,11 +166,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for kv in args.kv.split(","):
         for config in args.configs.split(","):
             tile_n, stages, warps = (int(x) for x in config.split("/"))
-            row = inspect_config(kv, args.head_dim, tile_n, stages, warps, args.arch, args.maxnreg)
+            row = inspect_config(kv, args.head_dim, tile_n, stages, warps, args.arch, args.maxnreg,
+                                 args.v_asm)  # fmt: skip
             rows.append(row)
             top = ", ".join(f"{k} {v}" for k, v in list(row["opcodes"].items())[:8])
             print(f"{kv:>5} tile {tile_n:>3} stages {stages} warps {warps}: {row['registers']} "
-                  f"regs, stack {row['stack_bytes']} B, loop {row['loop_instructions']} "
+                  f"regs, stack {row['stack_bytes']} B, smem {row['shared_bytes'] // 1024} KiB, loop {row['loop_instructions']} "
                   f"instr/thread = {row['warp_instructions_per_128_positions']:,} warp-instr per "
                   f"128 KV positions; cp.async waits {row['cp_async_waits']}; {top}",
                   flush=True)  # fmt: skip

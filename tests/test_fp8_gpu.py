@@ -10,6 +10,7 @@ import pytest
 import torch
 from paged_testing import (
     assert_matches_dense,
+    attend,
     dense_batch_f64,
     fp8_scales,
     make_batch,
@@ -72,6 +73,41 @@ def test_bf16_queries_on_an_fp8_cache_match_float64(group, head_dim, dtype):
         ref = run(quantized_batch(base, dtype, k_scale, v_scale), "reference",
                   k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_decode_with_v_converted_by_ptx_matches_float64_and_triton_conversion(head_dim, dtype):
+    """Decode launches convert V with inline PTX (``LaunchConfig.v_asm``); the same launch with
+    Triton's conversion gives the same output, and both match float64 on the dequantized cache.
+    KV lengths end mid-tile and mid-block; tiles 64/128, one pass and split."""
+    from dataclasses import replace
+
+    from paged_ops.backends import triton as tb
+
+    base = make_batch(
+        [(ctx, 1) for ctx in (0, 15, 127, 128, 300, 1000, 2047)], num_q_heads=16,
+        num_kv_heads=4, head_dim=head_dim, block_size=16, dtype=torch.bfloat16, device="cuda",
+        seed=head_dim,
+    )  # fmt: skip
+    k_scale, v_scale = fp8_scales("head", 4, "cuda")
+    batch = quantized_batch(base, dtype, k_scale, v_scale)
+    run(batch, "triton", k_scale=k_scale, v_scale=v_scale)  # writes the new tokens
+    expected = dense_batch_f64(batch, scale=head_dim**-0.5)
+    default = tb.launch_config(
+        num_tokens=7, num_seqs=7, num_q_heads=16, num_kv_heads=4, head_dim=head_dim,
+        max_kv_len=batch.block_table.shape[1] * 16, num_sms=132, fp8_cache=True,
+    )  # fmt: skip
+    assert default.v_asm
+    for tile_n, segments in ((128, 1), (64, 1), (128, 4)):
+        cfg = replace(default, tile_n=tile_n, num_segments=segments)
+        ptx, own = (
+            attend(batch, "triton", config=replace(cfg, v_asm=v_asm), k_scale=k_scale,
+                   v_scale=v_scale)
+            for v_asm in (True, False)
+        )  # fmt: skip
+        assert_matches_dense(ptx, batch, expected, rtol=1.5e-2)
+        torch.testing.assert_close(ptx, own, rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize(

@@ -124,6 +124,9 @@ class LaunchConfig:
     num_stages: int
     kernel: str = "unified"  # or "prefill": plain causal prefill/mixed steps (see launch_config)
     maxnreg: int | None = None  # register cap per thread (more programs per SM; unified kernel)
+    # FP8 cache, 16-bit queries, GPU (unified kernel): V converted to float16 by inline PTX before
+    # its layout change (wide shared-memory reads instead of one byte at a time; NOTES.md §10)
+    v_asm: bool = False
 
 
 def parse_launch_overrides(spec: str) -> dict:
@@ -134,7 +137,10 @@ def parse_launch_overrides(spec: str) -> dict:
         name, _, value = item.partition("=")
         if name not in fields or not value:
             raise ValueError(f"{item!r} is not field=value with a field of {fields}")
-        changes[name] = value if name == "kernel" else int(value)
+        if name == "kernel":
+            changes[name] = value
+        else:
+            changes[name] = bool(int(value)) if name == "v_asm" else int(value)
     return changes
 
 
@@ -215,7 +221,7 @@ def launch_config(
         if not fp8_cache:
             return LaunchConfig(block_m, block_q, 64, 1, 4, 2, kernel="prefill")
     return LaunchConfig(block_m, block_q, tile_n, num_segments, num_warps, num_stages,
-                        maxnreg=maxnreg)  # fmt: skip
+                        maxnreg=maxnreg, v_asm=fp8_decode)  # fmt: skip
 
 
 def _fp8_decode_segments(programs: int, kv_tiles: int, at_least: int, slots: int) -> int:
@@ -399,6 +405,7 @@ def paged_attention(
         NUM_SEGMENTS=nseg,
         IEEE_DOT=query.dtype == torch.float32,
         **fp8_args,
+        V_ASM=cfg.v_asm and f16_dot and not decode_bits,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
