@@ -9,7 +9,7 @@ several replays of ``--calls`` back-to-back kernel calls. Decode reports KV byte
     python benchmarks/bench_triton.py --kv-dtype fp8_e4m3 --sweep --sweep-kinds decode  # FP8 cache
 
 With an FP8 cache (``--kv-dtype``) the decode sweep covers 64 x 4096 and 256 x 4096 (issue 11's
-shapes) over ``fp8_decode_configs``; scales are 1.0.
+shapes) over ``decode_candidates`` (at D <= 64 with two KV heads per program); scales are 1.0.
 """
 
 from __future__ import annotations
@@ -143,14 +143,17 @@ def write_kv_row(calls: int) -> dict:
     return dict(kind="write_kv", batch=t, us=sec * 1e6, tb_per_s=moved / sec / 1e12)
 
 
-def fp8_decode_configs(group: int, nsegs: list[int]) -> list[tb.LaunchConfig]:
-    """FP8 decode candidates: 64/128-wide tiles, 2 or 3 stages, with and without a 128-register
-    cap (four programs per SM at 4 warps), V converted by Triton or by inline PTX (``v_asm``).
+def decode_candidates(group: int, nsegs: list[int], kv_heads: int = 1) -> list[tb.LaunchConfig]:
+    """Decode candidates (FP8 sweep; bf16 with ``--sweep-kinds decode,pairs``): 64/128-wide tiles, 2 or 3
+    stages, with and without a 128-register cap (four programs per SM at 4 warps), V converted by
+    Triton or by inline PTX (``v_asm``, FP8 only), ``kv_heads`` KV heads per program.
     (5 stages, tried in sweeps 6-7 to keep two K/V tiles in flight, never won: dropped.)"""
+    v_asms = [False, True] if KV_DTYPE.itemsize == 1 else [False]
+    block_q = 16 // (group * kv_heads)
     return [
-        tb.LaunchConfig(16, 16 // group, tn, ns, 4, st, maxnreg=cap, v_asm=v_asm)
+        tb.LaunchConfig(16, block_q, tn, ns, 4, st, maxnreg=cap, v_asm=v_asm, kv_heads=kv_heads)
         for tn, ns, st, cap, v_asm in itertools.product(
-            [64, 128], nsegs, [2, 3], [None, 128], [False, True]
+            [64, 128], nsegs, [2, 3], [None, 128], v_asms
         )
     ]
 
@@ -176,8 +179,13 @@ def sweep(calls: int, kinds: set[str]) -> list[dict]:
         default = default_config(args)
         nseg = default.num_segments
         nsegs = [nseg] if nseg == 1 else [nseg, 2 * nseg]
-        if fp8 and name.startswith("decode"):
-            configs = [default, *fp8_decode_configs(group, sorted({1, 2, nseg}))]
+        pairs = name.startswith("decode") and D <= 64 and (fp8 or "pairs" in kinds)
+        if (
+            pairs
+        ):  # two KV heads per program (FP8: the default at D=64; bf16: --sweep-kinds decode,pairs)
+            configs = [default, *decode_candidates(group, [1, 2, 4], kv_heads=2)]
+        elif fp8 and name.startswith("decode"):
+            configs = [default, *decode_candidates(group, sorted({1, 2, nseg}))]
         else:
             configs = [
                 tb.LaunchConfig(bm, bm // group, tn, ns, w, st)
@@ -202,7 +210,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--json", default=None)
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--sweep-kinds", default="decode,prefill", help="what --sweep covers")
+    parser.add_argument("--sweep-kinds", default="decode,prefill", help="what --sweep covers; "
+                        "'pairs' adds bf16 decode with two KV heads per program at D <= 64")  # fmt: skip
     parser.add_argument("--head-dim", type=int, default=D, help="head size of every shape")
     parser.add_argument("--decode-shapes", default=",".join(f"{b}x{c}" for b, c in DECODE),
                         help="decode rows: batch x context list")  # fmt: skip

@@ -156,6 +156,38 @@ def test_triton_split_kv_on_an_fp8_cache(dtype, num_segments):
     assert_matches_dense(out, batch, dense_batch_f64(batch, scale=64**-0.5), rtol=3e-3)
 
 
+DECODE = [(0, 1), (5, 1), (37, 1), (64, 1), (130, 1)]  # (context, 1 new token): ends mid-tile
+
+
+@pytest.mark.parametrize("num_segments", [1, 2])
+@pytest.mark.parametrize(
+    ("group", "feature"),
+    [(1, "plain"), (4, "plain"), (8, "plain"), *((2, f) for f in [*FEATURES, "alibi"])],
+)
+@pytest.mark.parametrize("cache", [*FP8, pytest.param(torch.float32, id="float32")])
+def test_triton_decode_with_kv_heads_in_pairs_matches_float64(cache, group, feature, num_segments):
+    """``LaunchConfig.kv_heads=2`` (FP8 decode at D=64 by default): one program, two KV heads with
+    their own scales; each row keeps its own head's half. Spare programs zero the padding rows."""
+    from paged_ops.backends import triton as tb
+
+    needs_triton("triton")
+    kwargs = PADDED_FEATURES[feature]  # (sinks / ALiBi for 4 query heads: group 2 x 2 KV heads)
+    num_kv_heads = 2 if feature != "plain" else 4
+    base = make_batch(
+        DECODE, num_q_heads=num_kv_heads * group, num_kv_heads=num_kv_heads, head_dim=64,
+        block_size=16, dtype=torch.float16, pad_tokens=2, pad_seqs=1, seed=group,
+    )  # fmt: skip
+    fp8 = cache != torch.float32
+    k_scale, v_scale = fp8_scales("head", num_kv_heads) if fp8 else (None, None)
+    batch = quantized_batch(base, cache, k_scale, v_scale) if fp8 else base
+    cfg = tb.LaunchConfig(16, 16 // (2 * group), 128, num_segments, 4, 3, kv_heads=2)
+    out = write_and_attend(batch, "triton", config=cfg, k_scale=k_scale, v_scale=v_scale, **kwargs)
+    dense = _dense(kwargs, 64)
+    assert_matches_dense(out, batch, dense_batch_f64(batch, **dense), rtol=3e-3)
+    real = int(batch.cu_seqlens_q[-1])
+    assert (out[real:] == 0).all(), "padded query rows must be zeros"
+
+
 @pytest.mark.parametrize("scales", ["head", "layer"])
 @pytest.mark.parametrize("dtype", FP8)
 def test_triton_prefill_kernel_on_an_fp8_cache_matches_dense_f64(dtype, scales):

@@ -310,8 +310,15 @@ def test_fp8_decode_at_head_size_128_caps_registers_and_splits_to_fill_the_waves
         cfg = triton_backend.launch_config(num_tokens=batch, num_seqs=batch, **fp8)
         assert (cfg.num_segments, cfg.maxnreg, cfg.tile_n) == (segments, 128, 128), batch
     assert triton_backend.launch_config(num_tokens=64, num_seqs=64, **common).maxnreg is None
+    # D=64: KV heads in pairs make the D=128 program (4 x 2 pairs x 64 = 256 programs: 2 segments)
     small_head = dict(fp8, head_dim=64)
-    assert triton_backend.launch_config(num_tokens=64, num_seqs=64, **small_head).maxnreg is None
+    cfg = triton_backend.launch_config(num_tokens=64, num_seqs=64, **small_head)
+    assert (cfg.kv_heads, cfg.block_q, cfg.num_segments, cfg.maxnreg) == (2, 2, 2, 128)
+    odd = dict(small_head, num_q_heads=28, num_kv_heads=7)  # no pairs with an odd Hkv
+    assert triton_backend.launch_config(num_tokens=64, num_seqs=64, **odd).kv_heads == 1
+    small_head_bf16 = dict(common, head_dim=64)
+    cfg = triton_backend.launch_config(num_tokens=64, num_seqs=64, **small_head_bf16)
+    assert (cfg.kv_heads, cfg.maxnreg) == (1, None)
     # a prefill step on an FP8 cache keeps the uncapped launch
     assert triton_backend.launch_config(num_tokens=4096, num_seqs=2, **fp8).maxnreg is None
 

@@ -127,6 +127,7 @@ class LaunchConfig:
     # FP8 cache, 16-bit queries, GPU (unified kernel): V converted to float16 by inline PTX before
     # its layout change (wide shared-memory reads instead of one byte at a time; NOTES.md §10)
     v_asm: bool = False
+    kv_heads: int = 1  # KV heads per program (unified kernel): 2 pairs D=64 heads (FP8 decode)
 
 
 def parse_launch_overrides(spec: str) -> dict:
@@ -183,18 +184,24 @@ def launch_config(
     """
     group = num_q_heads // num_kv_heads
     decode_like = num_tokens <= 2 * num_seqs
-    block_m = max(16 if decode_like else 64, triton.next_power_of_2(group))
-    block_q = block_m // group
     d_pad = _d_pad(head_dim)
+    fp8_decode = fp8_cache and decode_like and d_pad <= 128
+    # FP8 decode at D=64: two KV heads per program, so each K/V row read is 128 contiguous bytes
+    # and the program is the D=128 one (H100 probe, Hkv=4 x D=128 vs Hkv=8 x D=64, same bytes:
+    # 64 x 4096 134.0 -> 112.4 us, 256 x 4096 543.8 -> 395.3 us; NOTES.md section 10)
+    kv_heads = 2 if fp8_decode and d_pad == 64 and num_kv_heads % 2 == 0 else 1
+    rows_per_token = group * kv_heads
+    block_m = max(16 if decode_like else 64, triton.next_power_of_2(rows_per_token))
+    block_q = block_m // rows_per_token
     # D=256: 64-wide KV tiles for decode (H200 sweep: 655 -> 497 us at 64 x 4096, 348 -> 264 us at
     # 8 x 16384); prefill keeps 32 (its 64-row M tile and fp32 accumulator fill the registers).
     tile_n = 64 if d_pad <= 128 or decode_like else 32
-    fp8_decode = fp8_cache and decode_like and d_pad <= 128
-    fp8_decode_128 = fp8_decode and d_pad > 64  # its own stages, register cap and split rule
+    # its own stages, register cap and split rule
+    fp8_decode_128 = fp8_decode and d_pad * kv_heads > 64
     if fp8_decode or (decode_like and d_pad <= 64):
         tile_n = 128
     if num_segments is None:
-        programs = (num_tokens // block_q + num_seqs + 1) * num_kv_heads
+        programs = (num_tokens // block_q + num_seqs + 1) * (num_kv_heads // kv_heads)
         kv_tiles = triton.cdiv(max(max_kv_len, 1), tile_n)
         num_segments = 1
         if programs < num_sms and kv_tiles >= 4:
@@ -204,11 +211,11 @@ def launch_config(
         if fp8_decode_128:
             # capped at 128 registers, four programs fit on an SM; split only where that fills
             # the waves better than one pass (each split costs ~5%: partials and their reduce)
-            working = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
+            working = max(num_seqs, triton.cdiv(num_tokens, block_q)) * (num_kv_heads // kv_heads)
             num_segments = _fp8_decode_segments(working, kv_tiles, num_segments, 4 * num_sms)
     if num_segments < 1 or num_segments & (num_segments - 1):
         raise ValueError(f"num_segments must be a power of two >= 1, got {num_segments}")
-    num_warps = 4 if block_m * d_pad <= 64 * 128 else 8
+    num_warps = 4 if block_m * d_pad * kv_heads <= 64 * 128 else 8
     num_stages = 3 if fp8_decode_128 else 2
     maxnreg = 128 if fp8_decode_128 and num_warps == 4 else None
     if plain_causal and not decode_like and d_pad <= 128 and num_segments == 1:
@@ -221,7 +228,7 @@ def launch_config(
         if not fp8_cache:
             return LaunchConfig(block_m, block_q, 64, 1, 4, 2, kernel="prefill")
     return LaunchConfig(block_m, block_q, tile_n, num_segments, num_warps, num_stages,
-                        maxnreg=maxnreg, v_asm=fp8_decode)  # fmt: skip
+                        maxnreg=maxnreg, kv_heads=kv_heads)  # fmt: skip
 
 
 def _fp8_decode_segments(programs: int, kv_tiles: int, at_least: int, slots: int) -> int:
@@ -289,9 +296,20 @@ def paged_attention(
         plain_causal=plain_causal,
     )
     group = num_q_heads // num_kv_heads
-    if cfg.block_q < 1 or cfg.block_q * group > cfg.block_m:
+    if (
+        cfg.kv_heads < 1
+        or num_kv_heads % cfg.kv_heads
+        or (cfg.kernel != "unified" and cfg.kv_heads != 1)
+    ):
         raise ValueError(
-            f"{cfg} does not fit the GQA group {group}: need 1 <= block_q * group <= block_m"
+            f"{cfg}: kv_heads must divide num_kv_heads={num_kv_heads} (and be 1 for the "
+            "prefill kernel)"
+        )
+    rows_per_token = group * cfg.kv_heads
+    if cfg.block_q < 1 or cfg.block_q * rows_per_token > cfg.block_m:
+        raise ValueError(
+            f"{cfg} does not fit the GQA group {group} x kv_heads {cfg.kv_heads}: need "
+            "1 <= block_q * group * kv_heads <= block_m"
         )
     d_pad = _d_pad(head_dim)
     dummy = cu_seqlens_q  # stands in for absent optional tensors (never read)
@@ -366,7 +384,7 @@ def paged_attention(
         target = part_acc
     else:
         part_m = part_l = target = out
-    grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads, nseg)
+    grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads // cfg.kv_heads, nseg)
     kernels.paged_attention_kernel[grid](
         target,
         part_m,
@@ -391,7 +409,7 @@ def paged_attention(
         *kv_cache.stride(),
         block_table.stride(0),
         BLOCK_SIZE=block_size,
-        GROUP=group,
+        GROUP=rows_per_token,
         BLOCK_Q=cfg.block_q,
         BLOCK_M=cfg.block_m,
         TILE_N=cfg.tile_n,
@@ -406,6 +424,7 @@ def paged_attention(
         IEEE_DOT=query.dtype == torch.float32,
         **fp8_args,
         V_ASM=cfg.v_asm and f16_dot and not decode_bits,
+        KV_HEADS=cfg.kv_heads,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),

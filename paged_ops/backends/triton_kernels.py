@@ -16,6 +16,12 @@ write zeros into padded query rows, so every output row is finite.
 With ``NUM_SEGMENTS > 1`` (split-KV, for small batches over long contexts) each program handles one
 segment of its KV tiles and writes an unnormalised partial result, its running max and its sum;
 ``reduce_segments_kernel`` merges the segments (and the attention sink) into the output.
+
+With ``KV_HEADS = 2`` (FP8 decode at D=64) a program serves two neighbouring KV heads: ``GROUP``
+is then both heads' query heads (2 x the GQA group), K/V tiles are ``[TILE_N, 2 D_PAD]`` (both
+heads' rows, 128 contiguous bytes per position instead of 64), and each row's query is zero in the
+other head's half, so ``q @ k^T`` sums only its own head's products; ``p @ v`` yields both halves
+and each row keeps its own.
 """
 
 import triton
@@ -357,14 +363,28 @@ def paged_attention_kernel(
     FP8_SUB_ULP: tl.constexpr,
     F16_DOT: tl.constexpr,  # FP8 cache, 16-bit query: scaled float16 dots (see below)
     V_ASM: tl.constexpr = False,  # F16_DOT on the GPU: V converted by _fp8_tile_to_float16
+    KV_HEADS: tl.constexpr = 1,  # KV heads per program (GROUP covers all their query heads)
 ):
     pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) * KV_HEADS  # the program's first KV head
     segment = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
-    head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M] query head of each row
+    head = tl.program_id(1) * GROUP + offs_m % GROUP  # [BLOCK_M] query head of each row
+    # Columns of the K/V tiles and the accumulator: [KV_HEADS * D_PAD], head-major.
+    if KV_HEADS == 1:
+        cols = offs_d
+        col_mask = d_mask
+        col_off = offs_d * stride_cd  # [D_PAD] offsets inside a cache row
+    else:
+        offs_c = tl.arange(0, KV_HEADS * D_PAD)
+        cols = offs_c % D_PAD  # [KV_HEADS * D_PAD] head-dim index of each column
+        col_head = offs_c // D_PAD  # which of the program's KV heads
+        col_mask = cols < HEAD_DIM
+        col_off = col_head * stride_ch + cols * stride_cd
+        row_head = (offs_m % GROUP) // (GROUP // KV_HEADS)  # [BLOCK_M] each row's KV head
+        own = col_head[None, :] == row_head[:, None]  # [BLOCK_M, KV_HEADS * D_PAD]
 
     # Spare programs (past every sequence's query blocks) zero the padded query rows.
     tail = pid - (tl.load(cu_ptr + num_seqs) // BLOCK_Q + num_seqs)
@@ -383,9 +403,11 @@ def paged_attention_kernel(
         return
     context = kv_len - q_len  # absolute position of the sequence's first query token
     q, q_pos, q_tok, row_valid = _load_query_rows(
-        q_ptr, q_start, q_len, local, context, head, offs_m, offs_d, d_mask, stride_qt,
+        q_ptr, q_start, q_len, local, context, head, offs_m, cols, col_mask, stride_qt,
         stride_qh, stride_qd, GROUP, BLOCK_Q,
     )  # fmt: skip
+    if KV_HEADS > 1:
+        q = tl.where(own, q, 0.0)  # [BLOCK_M, KV_HEADS * D_PAD]: zero in the other heads' columns
     if F16_DOT:
         q, scale = _float16_query(q, scale)
 
@@ -413,10 +435,13 @@ def paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head)  # [BLOCK_M]
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, KV_HEADS * D_PAD], dtype=tl.float32)
     # FP8 cache: read = stored * scale. k_scale joins the softmax scale, v_scale the output.
     if USE_K_SCALE:
-        scale = scale * tl.load(k_scale_ptr + kv_head * stride_ks)
+        if KV_HEADS == 1:
+            scale = scale * tl.load(k_scale_ptr + kv_head * stride_ks)
+        else:  # each row its own head's scale, [BLOCK_M, 1]
+            scale = scale * tl.load(k_scale_ptr + (kv_head + row_head) * stride_ks)[:, None]
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     kv_base = cache_ptr + kv_head * stride_ch
     for tile in range(tile_lo, tile_hi):
@@ -424,9 +449,9 @@ def paged_attention_kernel(
         n_valid = offs_n < kv_len
         blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         offs_kv = blk * stride_cn + (offs_n % BLOCK_SIZE) * stride_cb  # [TILE_N]
-        kv_mask = n_valid[:, None] & d_mask[None, :]
+        kv_mask = n_valid[:, None] & col_mask[None, :]
         if FP8_CACHE:
-            kv_ptrs = kv_base + offs_kv[:, None] + offs_d[None, :] * stride_cd
+            kv_ptrs = kv_base + offs_kv[:, None] + col_off[None, :]
             k = _load_kv(
                 kv_ptrs, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
             )  # [TILE_N, D_PAD]
@@ -448,10 +473,10 @@ def paged_attention_kernel(
             # (written out, not through _load_kv: that form made bf16 prefill 8-10% slower on the
             # H200, benchmarks/NOTES.md section 11)
             k = tl.load(
-                kv_base + offs_kv[:, None] + offs_d[None, :] * stride_cd, mask=kv_mask, other=0.0
+                kv_base + offs_kv[:, None] + col_off[None, :], mask=kv_mask, other=0.0
             )  # [TILE_N, D_PAD]
             v = tl.load(
-                kv_base + stride_ckv + offs_kv[:, None] + offs_d[None, :] * stride_cd,
+                kv_base + stride_ckv + offs_kv[:, None] + col_off[None, :],
                 mask=kv_mask,
                 other=0.0,
             )  # [TILE_N, D_PAD]
@@ -478,17 +503,26 @@ def paged_attention_kernel(
         m_i = m_new
 
     if USE_V_SCALE:
-        acc = acc * tl.load(v_scale_ptr + kv_head * stride_vs)
+        if KV_HEADS == 1:
+            acc = acc * tl.load(v_scale_ptr + kv_head * stride_vs)
+        else:
+            acc = acc * tl.load(v_scale_ptr + (kv_head + row_head) * stride_vs)[:, None]
+    store_mask = row_valid[:, None] & col_mask[None, :]  # [BLOCK_M, KV_HEADS * D_PAD]
+    if KV_HEADS > 1:
+        store_mask = store_mask & own  # each row keeps its own head's half
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row that sees no key reads zeros
-        ptrs = out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+        ptrs = out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
         row = (q_tok * num_q_heads + head) * NUM_SEGMENTS + segment  # [BLOCK_M]
         tl.store(part_m_ptr + row, m_i, mask=row_valid)
         tl.store(part_l_ptr + row, l_i, mask=row_valid)
-        ptrs = out_ptr + row[:, None] * D_PAD + offs_d[None, :]
-        tl.store(ptrs, acc, mask=row_valid[:, None])
+        ptrs = out_ptr + row[:, None] * D_PAD + cols[None, :]
+        if KV_HEADS == 1:
+            tl.store(ptrs, acc, mask=row_valid[:, None])
+        else:
+            tl.store(ptrs, acc, mask=store_mask)
 
 
 @triton.jit(do_not_specialize=PER_STEP_INTS)
