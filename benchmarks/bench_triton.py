@@ -145,16 +145,13 @@ def write_kv_row(calls: int) -> dict:
 
 def decode_candidates(group: int, nsegs: list[int], kv_heads: int = 1) -> list[tb.LaunchConfig]:
     """Decode candidates (FP8 sweep; bf16 with ``--sweep-kinds decode,pairs``): 64/128-wide tiles, 2 or 3
-    stages, with and without a 128-register cap (four programs per SM at 4 warps), V converted by
-    Triton or by inline PTX (``v_asm``, FP8 only), ``kv_heads`` KV heads per program.
+    stages, with and without a 128-register cap (four programs per SM at 4 warps), ``kv_heads`` KV
+    heads per program.
     (5 stages, tried in sweeps 6-7 to keep two K/V tiles in flight, never won: dropped.)"""
-    v_asms = [False, True] if KV_DTYPE.itemsize == 1 else [False]
     block_q = 16 // (group * kv_heads)
     return [
-        tb.LaunchConfig(16, block_q, tn, ns, 4, st, maxnreg=cap, v_asm=v_asm, kv_heads=kv_heads)
-        for tn, ns, st, cap, v_asm in itertools.product(
-            [64, 128], nsegs, [2, 3], [None, 128], v_asms
-        )
+        tb.LaunchConfig(16, block_q, tn, ns, 4, st, maxnreg=cap, kv_heads=kv_heads)
+        for tn, ns, st, cap in itertools.product([64, 128], nsegs, [2, 3], [None, 128])
     ]
 
 

@@ -76,37 +76,36 @@ def test_bf16_queries_on_an_fp8_cache_match_float64(group, head_dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_fp8_decode_with_v_converted_by_ptx_matches_float64_and_triton_conversion(head_dim, dtype):
-    """Decode launches convert V with inline PTX (``LaunchConfig.v_asm``); the same launch with
-    Triton's conversion gives the same output, and both match float64 on the dequantized cache.
-    KV lengths end mid-tile and mid-block; tiles 64/128, one pass and split."""
+def test_fp8_decode_with_kv_heads_in_pairs_matches_float64_and_one_head_per_program(dtype):
+    """FP8 decode at D=64 reads two KV heads per program by default (``LaunchConfig.kv_heads``):
+    it matches float64 on the dequantized cache and the one-head-per-program launch. KV lengths
+    end mid-tile and mid-block; tiles 64/128, one pass and split."""
     from dataclasses import replace
 
     from paged_ops.backends import triton as tb
 
     base = make_batch(
         [(ctx, 1) for ctx in (0, 15, 127, 128, 300, 1000, 2047)], num_q_heads=16,
-        num_kv_heads=4, head_dim=head_dim, block_size=16, dtype=torch.bfloat16, device="cuda",
-        seed=head_dim,
+        num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.bfloat16, device="cuda", seed=5,
     )  # fmt: skip
     k_scale, v_scale = fp8_scales("head", 4, "cuda")
     batch = quantized_batch(base, dtype, k_scale, v_scale)
     run(batch, "triton", k_scale=k_scale, v_scale=v_scale)  # writes the new tokens
-    expected = dense_batch_f64(batch, scale=head_dim**-0.5)
+    expected = dense_batch_f64(batch, scale=64**-0.5)
     default = tb.launch_config(
-        num_tokens=7, num_seqs=7, num_q_heads=16, num_kv_heads=4, head_dim=head_dim,
+        num_tokens=7, num_seqs=7, num_q_heads=16, num_kv_heads=4, head_dim=64,
         max_kv_len=batch.block_table.shape[1] * 16, num_sms=132, fp8_cache=True,
     )  # fmt: skip
+    assert default.kv_heads == 2
     for tile_n, segments in ((128, 1), (64, 1), (128, 4)):
         cfg = replace(default, tile_n=tile_n, num_segments=segments)
-        ptx, own = (
-            attend(batch, "triton", config=replace(cfg, v_asm=v_asm), k_scale=k_scale,
-                   v_scale=v_scale)
-            for v_asm in (True, False)
+        pairs, single = (
+            attend(batch, "triton", config=replace(cfg, kv_heads=n, block_q=4 // n),
+                   k_scale=k_scale, v_scale=v_scale)
+            for n in (2, 1)
         )  # fmt: skip
-        assert_matches_dense(ptx, batch, expected, rtol=1.5e-2)
-        torch.testing.assert_close(ptx, own, rtol=1e-2, atol=1e-3)
+        assert_matches_dense(pairs, batch, expected, rtol=1.5e-2)
+        torch.testing.assert_close(pairs, single, rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize(

@@ -124,9 +124,6 @@ class LaunchConfig:
     num_stages: int
     kernel: str = "unified"  # or "prefill": plain causal prefill/mixed steps (see launch_config)
     maxnreg: int | None = None  # register cap per thread (more programs per SM; unified kernel)
-    # FP8 cache, 16-bit queries, GPU (unified kernel): V converted to float16 by inline PTX before
-    # its layout change (wide shared-memory reads instead of one byte at a time; NOTES.md §10)
-    v_asm: bool = False
     kv_heads: int = 1  # KV heads per program (unified kernel): 2 pairs D=64 heads (FP8 decode)
 
 
@@ -138,10 +135,7 @@ def parse_launch_overrides(spec: str) -> dict:
         name, _, value = item.partition("=")
         if name not in fields or not value:
             raise ValueError(f"{item!r} is not field=value with a field of {fields}")
-        if name == "kernel":
-            changes[name] = value
-        else:
-            changes[name] = bool(int(value)) if name == "v_asm" else int(value)
+        changes[name] = value if name == "kernel" else int(value)
     return changes
 
 
@@ -423,7 +417,6 @@ def paged_attention(
         NUM_SEGMENTS=nseg,
         IEEE_DOT=query.dtype == torch.float32,
         **fp8_args,
-        V_ASM=cfg.v_asm and f16_dot and not decode_bits,
         KV_HEADS=cfg.kv_heads,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

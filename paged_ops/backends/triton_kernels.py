@@ -108,29 +108,6 @@ def _load_kv_raw(
 
 
 @triton.jit
-def _fp8_tile_to_float16(x, FP8_MAN: tl.constexpr):
-    """An FP8 tile -> float16 by packed hardware conversions (``cvt.rn.f16x2.e4m3x2`` /
-    ``e5m2x2``, sm_89+), written as inline PTX: Triton hoists its own FP8 -> float16 conversion
-    past the layout change to the dot operand, so it moves the 8-bit tile and reads it back from
-    shared memory a byte at a time when it must be transposed (V in ``P @ V``). The opaque
-    (not "pure") conversion stays where it is: the 8-bit tile is read in wide loads and converted,
-    and the float16 tile takes the transposing path (``ldmatrix.trans``). GPU only."""
-    if FP8_MAN == 2:
-        asm: tl.constexpr = (
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-            "cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }"
-        )
-    else:
-        asm: tl.constexpr = (
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
-        )
-    return tl.inline_asm_elementwise(
-        asm, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4
-    )
-
-
-@triton.jit
 def _float16_query(q, scale):
     """FP8 cache, 16-bit queries: ``q`` [BLOCK_M, D_PAD] as float16 and the softmax scale to use.
 
@@ -362,7 +339,6 @@ def paged_attention_kernel(
     FP8_BIAS: tl.constexpr,
     FP8_SUB_ULP: tl.constexpr,
     F16_DOT: tl.constexpr,  # FP8 cache, 16-bit query: scaled float16 dots (see below)
-    V_ASM: tl.constexpr = False,  # F16_DOT on the GPU: V converted by _fp8_tile_to_float16
     KV_HEADS: tl.constexpr = 1,  # KV heads per program (GROUP covers all their query heads)
 ):
     pid = tl.program_id(0)
@@ -455,20 +431,9 @@ def paged_attention_kernel(
             k = _load_kv(
                 kv_ptrs, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
             )  # [TILE_N, D_PAD]
-            if V_ASM:
-                v = _fp8_tile_to_float16(
-                    tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0), FP8_MAN
-                )  # [TILE_N, D_PAD]
-            else:
-                v = _load_kv(
-                    kv_ptrs + stride_ckv,
-                    kv_mask,
-                    q.dtype,
-                    FP8_BITS,
-                    FP8_MAN,
-                    FP8_BIAS,
-                    FP8_SUB_ULP,
-                )  # [TILE_N, D_PAD]
+            v = _load_kv(
+                kv_ptrs + stride_ckv, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
+            )  # [TILE_N, D_PAD]
         else:
             # (written out, not through _load_kv: that form made bf16 prefill 8-10% slower on the
             # H200, benchmarks/NOTES.md section 11)
