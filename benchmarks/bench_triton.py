@@ -176,10 +176,9 @@ def sweep(calls: int, kinds: set[str]) -> list[dict]:
         default = default_config(args)
         nseg = default.num_segments
         nsegs = [nseg] if nseg == 1 else [nseg, 2 * nseg]
-        pairs = name.startswith("decode") and D <= 64 and (fp8 or "pairs" in kinds)
-        if (
-            pairs
-        ):  # two KV heads per program (FP8: the default at D=64; bf16: --sweep-kinds decode,pairs)
+        # two KV heads per program: FP8's default at D <= 64; others with --sweep-kinds ...,pairs
+        pairs = name.startswith("decode") and ((fp8 and D <= 64) or "pairs" in kinds)
+        if pairs:
             configs = [default, *decode_candidates(group, [1, 2, 4], kv_heads=2)]
         elif fp8 and name.startswith("decode"):
             configs = [default, *decode_candidates(group, sorted({1, 2, nseg}))]
@@ -208,7 +207,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-kinds", default="decode,prefill", help="what --sweep covers; "
-                        "'pairs' adds bf16 decode with two KV heads per program at D <= 64")  # fmt: skip
+                        "'pairs': decode with two KV heads per program (FP8 at D <= 64 always)")  # fmt: skip
     parser.add_argument("--head-dim", type=int, default=D, help="head size of every shape")
     parser.add_argument("--decode-shapes", default=",".join(f"{b}x{c}" for b, c in DECODE),
                         help="decode rows: batch x context list")  # fmt: skip
