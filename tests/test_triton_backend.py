@@ -316,6 +316,9 @@ def test_fp8_decode_at_head_size_128_caps_registers_and_splits_to_fill_the_waves
     assert (cfg.kv_heads, cfg.block_q, cfg.num_segments, cfg.maxnreg) == (2, 2, 2, 128)
     odd = dict(small_head, num_q_heads=28, num_kv_heads=7)  # no pairs with an odd Hkv
     assert triton_backend.launch_config(num_tokens=64, num_seqs=64, **odd).kv_heads == 1
+    # fewer than 8 pair programs (one sequence x 4 pairs): one head per program
+    assert triton_backend.launch_config(num_tokens=1, num_seqs=1, **small_head).kv_heads == 1
+    assert triton_backend.launch_config(num_tokens=2, num_seqs=2, **small_head).kv_heads == 2
     small_head_bf16 = dict(common, head_dim=64)
     cfg = triton_backend.launch_config(num_tokens=64, num_seqs=64, **small_head_bf16)
     assert (cfg.kv_heads, cfg.maxnreg) == (1, None)

@@ -125,6 +125,7 @@ class LaunchConfig:
     kernel: str = "unified"  # or "prefill": plain causal prefill/mixed steps (see launch_config)
     maxnreg: int | None = None  # register cap per thread (more programs per SM; unified kernel)
     kv_heads: int = 1  # KV heads per program (unified kernel): 2 pairs D=64 heads (FP8 decode)
+    heads_fastest: int = 0  # 1: grid (KV heads, query blocks, segments) (unified kernel)
 
 
 def parse_launch_overrides(spec: str) -> dict:
@@ -181,9 +182,12 @@ def launch_config(
     d_pad = _d_pad(head_dim)
     fp8_decode = fp8_cache and decode_like and d_pad <= 128
     # FP8 decode at D=64: two KV heads per program, so each K/V row read is 128 contiguous bytes
-    # and the program is the D=128 one (H100 probe, Hkv=4 x D=128 vs Hkv=8 x D=64, same bytes:
-    # 64 x 4096 134.0 -> 112.4 us, 256 x 4096 543.8 -> 395.3 us; NOTES.md section 10)
-    kv_heads = 2 if fp8_decode and d_pad == 64 and num_kv_heads % 2 == 0 else 1
+    # and the program is the D=128 one (H100, NOTES.md section 10: 64 x 4096 133.1 -> 111.2 us,
+    # 256 x 4096 538.5 -> 390.7 us). Not for steps of fewer than 8 pair programs (1 x 16384:
+    # 13.4 vs 18.1 us; 2 x 16384 equal): there the split is latency-bound and a pair program
+    # does twice the work of a one-head program.
+    pairs = fp8_decode and d_pad == 64 and num_kv_heads % 2 == 0 and num_seqs * num_kv_heads >= 16
+    kv_heads = 2 if pairs else 1
     rows_per_token = group * kv_heads
     block_m = max(16 if decode_like else 64, triton.next_power_of_2(rows_per_token))
     block_q = block_m // rows_per_token
@@ -378,7 +382,9 @@ def paged_attention(
         target = part_acc
     else:
         part_m = part_l = target = out
-    grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads // cfg.kv_heads, nseg)
+    blocks, head_programs = num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads // cfg.kv_heads
+    heads_fastest = bool(cfg.heads_fastest) and blocks <= 65535  # (a grid's y limit)
+    grid = (head_programs, blocks, nseg) if heads_fastest else (blocks, head_programs, nseg)
     kernels.paged_attention_kernel[grid](
         target,
         part_m,
@@ -418,6 +424,7 @@ def paged_attention(
         IEEE_DOT=query.dtype == torch.float32,
         **fp8_args,
         KV_HEADS=cfg.kv_heads,
+        HEADS_FASTEST=heads_fastest,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),

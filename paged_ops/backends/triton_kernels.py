@@ -340,14 +340,20 @@ def paged_attention_kernel(
     FP8_SUB_ULP: tl.constexpr,
     F16_DOT: tl.constexpr,  # FP8 cache, 16-bit query: scaled float16 dots (see below)
     KV_HEADS: tl.constexpr = 1,  # KV heads per program (GROUP covers all their query heads)
+    HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, query blocks, segments)
 ):
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1) * KV_HEADS  # the program's first KV head
+    if HEADS_FASTEST:  # programs of one query block's heads run together (they read the same pages)
+        pid = tl.program_id(1)
+        head_prog = tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
+        head_prog = tl.program_id(1)
+    kv_head = head_prog * KV_HEADS  # the program's first KV head
     segment = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
-    head = tl.program_id(1) * GROUP + offs_m % GROUP  # [BLOCK_M] query head of each row
+    head = head_prog * GROUP + offs_m % GROUP  # [BLOCK_M] query head of each row
     # Columns of the K/V tiles and the accumulator: [KV_HEADS * D_PAD], head-major.
     if KV_HEADS == 1:
         cols = offs_d
