@@ -44,7 +44,8 @@ def load_kernels():
 
 
 def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int, arch: int,
-                   maxnreg: int | None = None, kv_heads: int = 1) -> tuple[bytes, int]:  # fmt: skip
+                   maxnreg: int | None = None, kv_heads: int = 1,
+                   v_pairs: bool = False) -> tuple[bytes, int]:  # fmt: skip
     """The cubin of ``paged_attention_kernel`` for one decode launch (bf16 queries) and its
     shared memory in bytes."""
     import triton
@@ -59,9 +60,13 @@ def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
         HEAD_DIM=head_dim, CAUSAL=True, USE_WINDOW=False, USE_SOFTCAP=False, USE_SINKS=False,
         USE_ALIBI=False, NUM_SEGMENTS=2, IEEE_DOT=False, USE_K_SCALE=fp8, USE_V_SCALE=fp8,
         FP8_CACHE=fp8, FP8_BITS=False, FP8_MAN=3, FP8_BIAS=7, FP8_SUB_ULP=2.0**-9, F16_DOT=fp8,
-        KV_HEADS=kv_heads, **{n: 1 for n in UNIT_STRIDES},
+        KV_HEADS=kv_heads, V_PAIRS=fp8 and v_pairs, **{n: 1 for n in UNIT_STRIDES},
     )  # fmt: skip
-    pointers = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
+    pointers = {
+        "q_ptr": "*bf16",
+        "cache_ptr": "*fp8e4nv" if fp8 else "*bf16",
+        "cache_pairs_ptr": "*i16",
+    }
     signature = {}
     for n in names:
         if n in const:
@@ -124,8 +129,11 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
 
 
 def inspect_config(kv: str, head_dim: int, tile_n: int, stages: int, warps: int, arch: int,
-                   maxnreg: int | None = None, kv_heads: int = 1) -> dict:  # fmt: skip
-    cubin, shared = compile_decode(kv, head_dim, tile_n, stages, warps, arch, maxnreg, kv_heads)
+                   maxnreg: int | None = None, kv_heads: int = 1,
+                   v_pairs: bool = False) -> dict:  # fmt: skip
+    cubin, shared = compile_decode(
+        kv, head_dim, tile_n, stages, warps, arch, maxnreg, kv_heads, v_pairs
+    )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -140,7 +148,7 @@ def inspect_config(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
     # cp.async waits: "DEPBAR.LE SB0, n" lets n groups stay in flight (the prefetch depth)
     waits = collections.Counter(re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", sass))
     return dict(kv=kv, head_dim=head_dim, tile_n=tile_n, stages=stages, warps=warps,
-                maxnreg=maxnreg, kv_heads=kv_heads, registers=regs, stack_bytes=stack,
+                maxnreg=maxnreg, kv_heads=kv_heads, v_pairs=v_pairs, registers=regs, stack_bytes=stack,
                 shared_bytes=shared, loop_instructions=size,
                 warp_instructions_per_128_positions=size * warps * 128 // tile_n,
                 opcodes=dict(ops.most_common()), loads=dict(loads),
@@ -157,6 +165,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument(
         "--kv-heads", type=int, default=1, help="KV heads per program (the kernel's KV_HEADS)"
     )
+    p.add_argument(
+        "--v-pairs", action="store_true", help="FP8: V read as int16 pairs (the kernel's V_PAIRS)"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import triton
@@ -167,7 +178,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for config in args.configs.split(","):
             tile_n, stages, warps = (int(x) for x in config.split("/"))
             row = inspect_config(kv, args.head_dim, tile_n, stages, warps, args.arch, args.maxnreg,
-                                 args.kv_heads)  # fmt: skip
+                                 args.kv_heads, args.v_pairs)  # fmt: skip
             rows.append(row)
             top = ", ".join(f"{k} {v}" for k, v in list(row["opcodes"].items())[:8])
             print(f"{kv:>5} tile {tile_n:>3} stages {stages} warps {warps}: {row['registers']} "

@@ -108,6 +108,55 @@ def test_fp8_decode_with_kv_heads_in_pairs_matches_float64_and_one_head_per_prog
         torch.testing.assert_close(pairs, single, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_pairs_ptx_decodes_every_bit_pattern_exactly(dtype):
+    """The GPU's inline-PTX path of ``_fp8_pairs_to_float16`` (byte permute + packed cvt): all
+    65,536 int16 pairs give both bytes' exact values, low byte first."""
+    from fp8_pairs_kernel import all_pairs_and_values, fp8_pairs_to_float16
+
+    pairs, values, finite = all_pairs_and_values(dtype, "cuda")
+    lo, hi = fp8_pairs_to_float16(pairs, dtype, by_hand=False)
+    assert torch.equal(lo[finite], values[finite, 0])
+    assert torch.equal(hi[finite], values[finite, 1])
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_decode_with_v_as_int16_pairs_matches_float64_and_bytes(head_dim, dtype):
+    """FP8 decode reads V as int16 pairs by default (``LaunchConfig.v_pairs``): it matches float64
+    on the dequantized cache and the launch that reads V as bytes; one pass and split, one or two
+    KV heads per program (D=64), lengths ending mid-tile."""
+    from dataclasses import replace
+
+    from paged_ops.backends import triton as tb
+
+    base = make_batch(
+        [(ctx, 1) for ctx in (0, 15, 127, 128, 300, 1000, 2047, 4095)], num_q_heads=16,
+        num_kv_heads=4, head_dim=head_dim, block_size=16, dtype=torch.bfloat16, device="cuda",
+        pad_tokens=2, pad_seqs=1, seed=head_dim,
+    )  # fmt: skip
+    k_scale, v_scale = fp8_scales("head", 4, "cuda")
+    batch = quantized_batch(base, dtype, k_scale, v_scale)
+    run(batch, "triton", k_scale=k_scale, v_scale=v_scale)  # writes the new tokens
+    expected = dense_batch_f64(batch, scale=head_dim**-0.5)
+    default = tb.launch_config(
+        num_tokens=10, num_seqs=9, num_q_heads=16, num_kv_heads=4, head_dim=head_dim,
+        max_kv_len=batch.block_table.shape[1] * 16, num_sms=132, fp8_cache=True,
+    )  # fmt: skip
+    assert default.v_pairs == 1
+    for segments, kv_heads in ((1, default.kv_heads), (4, default.kv_heads), (2, 1)):
+        cfg = replace(default, num_segments=segments, kv_heads=kv_heads, block_q=4 // kv_heads)
+        pairs, as_bytes = (
+            attend(batch, "triton", config=replace(cfg, v_pairs=v), k_scale=k_scale,
+                   v_scale=v_scale)
+            for v in (1, 0)
+        )  # fmt: skip
+        assert_matches_dense(pairs, batch, expected, rtol=1.5e-2)
+        torch.testing.assert_close(pairs, as_bytes, rtol=1e-2, atol=1e-3)
+        real = int(batch.cu_seqlens_q[-1])
+        assert (pairs[real:] == 0).all(), "padded query rows must be zeros"
+
+
 @pytest.mark.parametrize(
     "features",
     [dict(sliding_window=24), dict(softcap=30.0, scale=0.2), dict(sinks="sinks")],

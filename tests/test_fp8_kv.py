@@ -5,6 +5,7 @@ Outputs are compared with an independent float64 dense attention twice: over the
 (what an exact kernel computes: tight) and over the unquantized K/V (FP8's own error).
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -186,6 +187,81 @@ def test_triton_decode_with_kv_heads_in_pairs_matches_float64(cache, group, feat
     assert_matches_dense(out, batch, dense_batch_f64(batch, **dense), rtol=3e-3)
     real = int(batch.cu_seqlens_q[-1])
     assert (out[real:] == 0).all(), "padded query rows must be zeros"
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_pairs_decode_every_bit_pattern_exactly(dtype):
+    """``_fp8_pairs_to_float16`` (V read as int16 pairs): all 65,536 pairs give both bytes' exact
+    values, low byte first (the interpreter's integer path; the GPU's PTX in test_fp8_gpu.py)."""
+    needs_triton("triton")
+    from fp8_pairs_kernel import all_pairs_and_values, fp8_pairs_to_float16
+
+    pairs, values, finite = all_pairs_and_values(dtype)
+    assert finite.sum() >= 60000  # (NaN patterns are never stored: writes saturate)
+    lo, hi = fp8_pairs_to_float16(pairs, dtype, by_hand=True)
+    assert torch.equal(lo[finite], values[finite, 0])
+    assert torch.equal(hi[finite], values[finite, 1])
+
+
+@pytest.mark.parametrize("num_segments", [1, 2])
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "feature"),
+    [(1, 1, "plain"), (1, 4, "plain"), (1, 8, "plain"), (2, 4, "plain"),
+     *((1, 2, f) for f in [*FEATURES, "alibi"]), (2, 2, "everything")],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", FP8)
+def test_triton_decode_with_v_as_int16_pairs_matches_float64(dtype, kv_heads, group, feature,
+                                                             num_segments):  # fmt: skip
+    """``LaunchConfig.v_pairs=1`` (FP8 decode's default): V read as int16 pairs, even and odd
+    columns accumulated apart and interleaved at the end; one or two KV heads per program, with
+    per-head scales; padding rows zero. The same step with V read as bytes agrees to fp32
+    rounding."""
+    from paged_ops.backends import triton as tb
+
+    needs_triton("triton")
+    kwargs = PADDED_FEATURES[feature]  # (sinks / ALiBi for 4 query heads)
+    num_kv_heads = 4 if feature == "plain" else 4 // group
+    base = make_batch(
+        DECODE, num_q_heads=num_kv_heads * group, num_kv_heads=num_kv_heads, head_dim=64,
+        block_size=16, dtype=torch.float16, pad_tokens=2, pad_seqs=1, seed=5 + group,
+    )  # fmt: skip
+    k_scale, v_scale = fp8_scales("head", num_kv_heads)
+    batch = quantized_batch(base, dtype, k_scale, v_scale)
+    cfg = tb.LaunchConfig(16, 16 // (kv_heads * group), 128, num_segments, 4, 3,
+                          kv_heads=kv_heads, v_pairs=1)  # fmt: skip
+    out = write_and_attend(batch, "triton", config=cfg, k_scale=k_scale, v_scale=v_scale, **kwargs)
+    dense = _dense(kwargs, 64)
+    assert_matches_dense(out, batch, dense_batch_f64(batch, **dense), rtol=3e-3)
+    assert_matches_dense(out, batch, dense_batch_f64(base, **dense), UNQUANTIZED_RTOL[dtype])
+    real = int(batch.cu_seqlens_q[-1])
+    assert (out[real:] == 0).all(), "padded query rows must be zeros"
+    bytes_cfg = dataclasses.replace(cfg, v_pairs=0)
+    out_bytes = write_and_attend(
+        batch, "triton", config=bytes_cfg, k_scale=k_scale, v_scale=v_scale, **kwargs
+    )
+    torch.testing.assert_close(out, out_bytes, rtol=1e-3, atol=1e-4)
+
+
+def test_v_pairs_is_fp8_decodes_default_and_refused_where_the_cache_does_not_fit():
+    from paged_ops.backends import triton as tb
+
+    needs_triton("triton")
+    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, max_kv_len=4096, num_sms=132)
+    assert tb.launch_config(num_tokens=8, num_seqs=8, fp8_cache=True, **shape).v_pairs == 1
+    assert tb.launch_config(num_tokens=8, num_seqs=8, **shape).v_pairs == 0
+    assert tb.launch_config(num_tokens=512, num_seqs=2, fp8_cache=True, **shape).v_pairs == 0
+    # head size 48 (not a power of two): the default drops v_pairs, a forced config is refused
+    base = make_batch(
+        DECODE, num_q_heads=4, num_kv_heads=2, head_dim=48, block_size=16,
+        dtype=torch.float16, seed=3,
+    )  # fmt: skip
+    k_scale, v_scale = fp8_scales("head", 2)
+    batch = quantized_batch(base, E4M3, k_scale, v_scale)
+    out = write_and_attend(batch, "triton", k_scale=k_scale, v_scale=v_scale)
+    assert_matches_dense(out, batch, dense_batch_f64(batch, scale=48**-0.5), rtol=3e-3)
+    forced = tb.LaunchConfig(16, 8, 128, 1, 4, 3, v_pairs=1)
+    with pytest.raises(ValueError, match="v_pairs=1"):
+        write_and_attend(batch, "triton", config=forced, k_scale=k_scale, v_scale=v_scale)
 
 
 @pytest.mark.parametrize("scales", ["head", "layer"])

@@ -128,6 +128,10 @@ class LaunchConfig:
     # 1: grid (KV heads, query blocks, segments): a block's head programs run together and read
     # the same KV pages (unified kernel; decode steps by default)
     heads_fastest: int = 0
+    # 1: V of an FP8 cache read as int16 pairs of values (unified kernel, 16-bit queries, head
+    # size a power of two, unit-stride cache rows): 16-bit transposing loads instead of 8-bit
+    # reads a byte at a time (kernels._fp8_pairs_to_float16)
+    v_pairs: int = 0
 
 
 def parse_launch_overrides(spec: str) -> dict:
@@ -230,9 +234,12 @@ def launch_config(
     # Decode: a query block's KV-head programs launch together, so they read the same KV pages
     # at the same time (H100, one run each: bf16 D=64 64 x 4096 194.0 -> 183.8 us, FP8 D=64
     # 111.4 -> 108.9, D=128 0-1.4% faster, one row 0.7% slower; NOTES.md section 10)
+    # FP8 decode reads V as int16 pairs (16-bit transposing loads; paged_attention drops it where
+    # the cache or query does not fit): the loop's SASS 1,499 -> 929 instructions per thread at
+    # D=128 (NOTES.md section 10)
     return LaunchConfig(block_m, block_q, tile_n, num_segments, num_warps, num_stages,
                         maxnreg=maxnreg, kv_heads=kv_heads,
-                        heads_fastest=int(decode_like))  # fmt: skip
+                        heads_fastest=int(decode_like), v_pairs=int(fp8_decode))  # fmt: skip
 
 
 def _fp8_decode_segments(programs: int, kv_tiles: int, at_least: int, slots: int) -> int:
@@ -250,6 +257,18 @@ def _fp8_decode_segments(programs: int, kv_tiles: int, at_least: int, slots: int
     while options[-1] * 2 <= min(MAX_SEGMENTS, kv_tiles // 4):
         options.append(options[-1] * 2)
     return min(options, key=cost)
+
+
+def _v_pairs_fit(kv_cache: torch.Tensor, query: torch.Tensor, head_dim: int) -> bool:
+    """Whether the unified kernel can read this cache's V as int16 pairs (``v_pairs``)."""
+    return (
+        is_fp8(kv_cache.dtype)
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and head_dim == _d_pad(head_dim)
+        and kv_cache.stride(-1) == 1
+        and all(st % 2 == 0 for st in kv_cache.stride()[:-1])
+        and kv_cache.data_ptr() % 2 == 0
+    )
 
 
 def paged_attention(
@@ -321,6 +340,16 @@ def paged_attention(
     decode_bits = fp8_cache and _interpreting()
     f16_dot = fp8_cache and query.dtype in (torch.float16, torch.bfloat16)
     cache_arg = kv_cache.view(torch.uint8) if decode_bits else kv_cache
+    if cfg.v_pairs and not _v_pairs_fit(kv_cache, query, head_dim):
+        if config is not None:
+            raise ValueError(
+                f"{cfg} (v_pairs=1) needs an FP8 cache with unit-stride rows and even strides, "
+                f"16-bit queries and a power-of-two head size; got cache "
+                f"{kv_cache.dtype} strides {tuple(kv_cache.stride())}, query {query.dtype}, "
+                f"head_dim {head_dim}"
+            )
+        cfg = dataclasses.replace(cfg, v_pairs=0)
+    pairs_arg = kv_cache.view(torch.int16) if cfg.v_pairs else cache_arg
     fp8_args = dict(
         USE_K_SCALE=k_scale is not None,
         USE_V_SCALE=v_scale is not None,
@@ -397,6 +426,7 @@ def paged_attention(
         part_l,
         query,
         cache_arg,
+        pairs_arg,
         cu_seqlens_q,
         seq_lens,
         block_table,
@@ -431,6 +461,7 @@ def paged_attention(
         **fp8_args,
         KV_HEADS=cfg.kv_heads,
         HEADS_FASTEST=heads_fastest,
+        V_PAIRS=bool(cfg.v_pairs),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),

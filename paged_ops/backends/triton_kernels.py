@@ -108,6 +108,49 @@ def _load_kv_raw(
 
 
 @triton.jit
+def _fp8_pairs_to_float16(
+    x,  # [N, C] int16: two neighbouring FP8 values (columns 2c, 2c+1) of each row
+    FP8_MAN: tl.constexpr,
+    BY_HAND: tl.constexpr,  # the interpreter: integer decode (it has no inline PTX)
+):
+    """FP8 byte pairs -> (even columns, odd columns) as float16, ``[N, C]`` each, exact.
+
+    V is the B operand of ``p @ v`` with its columns contiguous, so Triton moves an 8-bit V tile
+    to the dot-operand layout by reading it back from shared memory a byte at a time (sm_90 has no
+    8-bit ``ldmatrix.trans``). Read as 16-bit pairs, the tile takes the 16-bit transposing path
+    (``ldmatrix.trans``) like a bf16 V; the pure, one-input conversion below lets Triton hoist that
+    layout change above it. On the GPU: one byte permute and two packed hardware conversions
+    (``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``, sm_89+) per two pairs. By hand: e5m2 is the high byte
+    of a float16; e4m3's fields shift into float16's (subnormals included), value x 2^-8, then
+    rescaled exactly in fp32."""
+    if BY_HAND:
+        if FP8_MAN == 2:
+            lo = (x << 8).to(tl.float16, bitcast=True)
+            hi = (x & -256).to(tl.float16, bitcast=True)
+        else:
+            sign = -32768  # 0x8000 as int16
+            lo = ((x << 8) & sign) | ((x << 7) & 0x3F80)
+            hi = (x & sign) | ((x >> 1) & 0x3F80)
+            lo = (lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(
+                tl.float16
+            )
+            hi = (hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(
+                tl.float16
+            )
+        return lo, hi
+    # $2 holds two int16 elements = bytes (b0, b1 | b2, b3); the permute makes (b0, b2 | b1, b3):
+    # the low bytes (even columns) of both elements, then their high bytes (odd columns).
+    kind: tl.constexpr = "e5m2x2" if FP8_MAN == 2 else "e4m3x2"
+    asm: tl.constexpr = (
+        "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
+        "cvt.rn.f16x2." + kind + " $0, lo; cvt.rn.f16x2." + kind + " $1, hi; }"
+    )
+    return tl.inline_asm_elementwise(
+        asm, "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
+    )
+
+
+@triton.jit
 def _float16_query(q, scale):
     """FP8 cache, 16-bit queries: ``q`` [BLOCK_M, D_PAD] as float16 and the softmax scale to use.
 
@@ -291,6 +334,7 @@ def paged_attention_kernel(
     part_l_ptr,  # [T, Hq, NUM_SEGMENTS] fp32 running sum
     q_ptr,  # [T, Hq, D]
     cache_ptr,  # [N, 2, B, Hkv, D]
+    cache_pairs_ptr,  # [N, 2, B, Hkv, D / 2] int16 view of an FP8 cache (V_PAIRS; else unused)
     cu_ptr,  # [S+1] int32
     seq_lens_ptr,  # [S] int32
     block_table_ptr,  # [S, W] int32
@@ -341,6 +385,7 @@ def paged_attention_kernel(
     F16_DOT: tl.constexpr,  # FP8 cache, 16-bit query: scaled float16 dots (see below)
     KV_HEADS: tl.constexpr = 1,  # KV heads per program (GROUP covers all their query heads)
     HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, query blocks, segments)
+    V_PAIRS: tl.constexpr = False,  # F16_DOT, HEAD_DIM == D_PAD, unit stride: V as int16 pairs
 ):
     if HEADS_FASTEST:  # programs of one query block's heads run together (they read the same pages)
         pid = tl.program_id(1)
@@ -417,7 +462,17 @@ def paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head)  # [BLOCK_M]
-    acc = tl.zeros([BLOCK_M, KV_HEADS * D_PAD], dtype=tl.float32)
+    if V_PAIRS:
+        # V read as int16 pairs of FP8 values (_fp8_pairs_to_float16): the even and the odd
+        # columns accumulate apart and are interleaved after the loop.
+        offs_p = tl.arange(0, KV_HEADS * D_PAD // 2)  # [C / 2] pair index, head-major
+        pair_off = (offs_p // (D_PAD // 2)) * (stride_ch // 2) + offs_p % (D_PAD // 2)
+        v_pairs_base = cache_pairs_ptr + (kv_head * stride_ch + stride_ckv) // 2
+        acc = tl.zeros([BLOCK_M, KV_HEADS * D_PAD // 2], dtype=tl.float32)  # even columns
+        acc_odd = tl.zeros([BLOCK_M, KV_HEADS * D_PAD // 2], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, KV_HEADS * D_PAD], dtype=tl.float32)
+        acc_odd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)  # (unused)
     # FP8 cache: read = stored * scale. k_scale joins the softmax scale, v_scale the output.
     if USE_K_SCALE:
         if KV_HEADS == 1:
@@ -437,9 +492,23 @@ def paged_attention_kernel(
             k = _load_kv(
                 kv_ptrs, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
             )  # [TILE_N, D_PAD]
-            v = _load_kv(
-                kv_ptrs + stride_ckv, kv_mask, q.dtype, FP8_BITS, FP8_MAN, FP8_BIAS, FP8_SUB_ULP
-            )  # [TILE_N, D_PAD]
+            if V_PAIRS:
+                v_pairs = tl.load(
+                    v_pairs_base + offs_kv[:, None] // 2 + pair_off[None, :],
+                    mask=n_valid[:, None],
+                    other=0,
+                )  # [TILE_N, C / 2] int16
+                v, v_odd = _fp8_pairs_to_float16(v_pairs, FP8_MAN, FP8_BITS)  # [TILE_N, C / 2]
+            else:
+                v = _load_kv(
+                    kv_ptrs + stride_ckv,
+                    kv_mask,
+                    q.dtype,
+                    FP8_BITS,
+                    FP8_MAN,
+                    FP8_BIAS,
+                    FP8_SUB_ULP,
+                )  # [TILE_N, D_PAD]
         else:
             # (written out, not through _load_kv: that form made bf16 prefill 8-10% slower on the
             # H200, benchmarks/NOTES.md section 11)
@@ -471,7 +540,12 @@ def paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
+        if V_PAIRS:
+            acc_odd = acc_odd * alpha[:, None] + _dot(p.to(v_odd.dtype), v_odd, IEEE_DOT)
         m_i = m_new
+
+    if V_PAIRS:  # columns 2c and 2c + 1 side by side: [BLOCK_M, KV_HEADS * D_PAD]
+        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, KV_HEADS * D_PAD])
 
     if USE_V_SCALE:
         if KV_HEADS == 1:
