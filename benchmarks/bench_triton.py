@@ -143,14 +143,16 @@ def write_kv_row(calls: int) -> dict:
     return dict(kind="write_kv", batch=t, us=sec * 1e6, tb_per_s=moved / sec / 1e12)
 
 
-def decode_candidates(group: int, nsegs: list[int], kv_heads: int = 1) -> list[tb.LaunchConfig]:
+def decode_candidates(
+    group: int, nsegs: list[int], kv_heads: int = 1, v_pairs: int = 0
+) -> list[tb.LaunchConfig]:
     """Decode candidates (FP8 sweep; bf16 with ``--sweep-kinds decode,pairs``): 64/128-wide tiles, 2 or 3
     stages, with and without a 128-register cap (four programs per SM at 4 warps), ``kv_heads`` KV
-    heads per program.
+    heads per program, ``v_pairs`` (FP8: V read as int16 pairs, the default since run 7).
     (5 stages, tried in sweeps 6-7 to keep two K/V tiles in flight, never won: dropped.)"""
     block_q = 16 // (group * kv_heads)
     return [
-        tb.LaunchConfig(16, block_q, tn, ns, 4, st, maxnreg=cap, kv_heads=kv_heads)
+        tb.LaunchConfig(16, block_q, tn, ns, 4, st, maxnreg=cap, kv_heads=kv_heads, v_pairs=v_pairs)
         for tn, ns, st, cap in itertools.product([64, 128], nsegs, [2, 3], [None, 128])
     ]
 
@@ -179,9 +181,9 @@ def sweep(calls: int, kinds: set[str]) -> list[dict]:
         # two KV heads per program: FP8's default at D <= 64; others with --sweep-kinds ...,pairs
         pairs = name.startswith("decode") and ((fp8 and D <= 64) or "pairs" in kinds)
         if pairs:
-            configs = [default, *decode_candidates(group, [1, 2, 4], kv_heads=2)]
+            configs = [default, *decode_candidates(group, [1, 2, 4], 2, int(fp8))]
         elif fp8 and name.startswith("decode"):
-            configs = [default, *decode_candidates(group, sorted({1, 2, nseg}))]
+            configs = [default, *decode_candidates(group, sorted({1, 2, nseg}), v_pairs=1)]
         else:
             configs = [
                 tb.LaunchConfig(bm, bm // group, tn, ns, w, st)

@@ -91,3 +91,9 @@ def test_inspect_sass_counts_the_decode_kernels_tile_loop_offline(tmp_path):
         assert row["registers"] > 0 and row["loop_instructions"] > 0
         assert row["opcodes"].get("HMMA", 0) > 0  # the tile loop holds the two dots
         assert row["opcodes"].get("F2FP", 0) > 0  # and the FP8 -> float16 conversions
+    # V read as int16 pairs: the inline PTX conversion compiles (ptxas) and sits in the loop
+    cmd = [*cmd[:-2], "--configs", "128/3/4", "--v-pairs", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["v_pairs"] and row["opcodes"].get("PRMT", 0) > 0 and row["opcodes"]["HMMA"] > 0
