@@ -472,7 +472,6 @@ def paged_attention_kernel(
         acc_odd = tl.zeros([BLOCK_M, KV_HEADS * D_PAD // 2], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, KV_HEADS * D_PAD], dtype=tl.float32)
-        acc_odd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)  # (unused)
     # FP8 cache: read = stored * scale. k_scale joins the softmax scale, v_scale the output.
     if USE_K_SCALE:
         if KV_HEADS == 1:
