@@ -8,13 +8,17 @@ import triton
 import triton.language as tl
 
 from paged_ops.backends import triton_kernels as kernels
+from paged_ops.fp8 import fp8_format
 
 
 @triton.jit
-def _convert_kernel(x_ptr, lo_ptr, hi_ptr, n, FP8_MAN: tl.constexpr, BY_HAND: tl.constexpr):
+def _convert_kernel(
+    x_ptr, lo_ptr, hi_ptr, n, FP8_MAN: tl.constexpr, FP8_BIAS: tl.constexpr,
+    FP8_SUB_ULP: tl.constexpr, BY_HAND: tl.constexpr,
+):  # fmt: skip
     offs = tl.program_id(0) * 1024 + tl.arange(0, 1024)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0)
-    lo, hi = kernels._fp8_pairs_to_float16(x, FP8_MAN, BY_HAND)
+    lo, hi = kernels._fp8_pairs_to_float16(x, FP8_MAN, FP8_BIAS, FP8_SUB_ULP, BY_HAND)
     tl.store(lo_ptr + offs, lo, mask=offs < n)
     tl.store(hi_ptr + offs, hi, mask=offs < n)
 
@@ -27,9 +31,12 @@ def fp8_pairs_to_float16(
     path; else the GPU's inline PTX)."""
     lo = torch.empty(pairs.shape, dtype=torch.float16, device=pairs.device)
     hi = torch.empty_like(lo)
-    fp8_man = 2 if fp8_dtype == torch.float8_e5m2 else 3
+    fmt = fp8_format(fp8_dtype)
     n = pairs.numel()
-    _convert_kernel[(triton.cdiv(n, 1024),)](pairs, lo, hi, n, FP8_MAN=fp8_man, BY_HAND=by_hand)
+    _convert_kernel[(triton.cdiv(n, 1024),)](
+        pairs, lo, hi, n, FP8_MAN=fmt["FP8_MAN"], FP8_BIAS=fmt["FP8_BIAS"],
+        FP8_SUB_ULP=fmt["FP8_SUB_ULP"], BY_HAND=by_hand,
+    )  # fmt: skip
     return lo, hi
 
 

@@ -259,12 +259,11 @@ def _fp8_decode_segments(programs: int, kv_tiles: int, at_least: int, slots: int
     return min(options, key=cost)
 
 
-def _v_pairs_fit(kv_cache: torch.Tensor, query: torch.Tensor, head_dim: int) -> bool:
-    """Whether the unified kernel can read this cache's V as int16 pairs (``v_pairs``)."""
+def _v_pairs_fit(kv_cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether an FP8 cache's layout lets the unified kernel read V as int16 pairs (``v_pairs``;
+    the query must also take the float16 dots, ``F16_DOT``)."""
     return (
-        is_fp8(kv_cache.dtype)
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and head_dim == _d_pad(head_dim)
+        head_dim == _d_pad(head_dim)
         and kv_cache.stride(-1) == 1
         and all(st % 2 == 0 for st in kv_cache.stride()[:-1])
         and kv_cache.data_ptr() % 2 == 0
@@ -340,7 +339,7 @@ def paged_attention(
     decode_bits = fp8_cache and _interpreting()
     f16_dot = fp8_cache and query.dtype in (torch.float16, torch.bfloat16)
     cache_arg = kv_cache.view(torch.uint8) if decode_bits else kv_cache
-    if cfg.v_pairs and not _v_pairs_fit(kv_cache, query, head_dim):
+    if cfg.v_pairs and not (f16_dot and _v_pairs_fit(kv_cache, head_dim)):
         if config is not None:
             raise ValueError(
                 f"{cfg} (v_pairs=1) needs an FP8 cache with unit-stride rows and even strides, "

@@ -111,6 +111,8 @@ def _load_kv_raw(
 def _fp8_pairs_to_float16(
     x,  # [N, C] int16: two neighbouring FP8 values (columns 2c, 2c+1) of each row
     FP8_MAN: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_SUB_ULP: tl.constexpr,
     BY_HAND: tl.constexpr,  # the interpreter: integer decode (it has no inline PTX)
 ):
     """FP8 byte pairs -> (even columns, odd columns) as float16, ``[N, C]`` each, exact.
@@ -120,24 +122,12 @@ def _fp8_pairs_to_float16(
     8-bit ``ldmatrix.trans``). Read as 16-bit pairs, the tile takes the 16-bit transposing path
     (``ldmatrix.trans``) like a bf16 V; the pure, one-input conversion below lets Triton hoist that
     layout change above it. On the GPU: one byte permute and two packed hardware conversions
-    (``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``, sm_89+) per two pairs. By hand: e5m2 is the high byte
-    of a float16; e4m3's fields shift into float16's (subnormals included), value x 2^-8, then
-    rescaled exactly in fp32."""
+    (``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``, sm_89+) per two pairs. By hand: each byte through
+    ``_fp8_bits_to_float`` (every FP8 value is a float16 value)."""
     if BY_HAND:
-        if FP8_MAN == 2:
-            lo = (x << 8).to(tl.float16, bitcast=True)
-            hi = (x & -256).to(tl.float16, bitcast=True)
-        else:
-            sign = -32768  # 0x8000 as int16
-            lo = ((x << 8) & sign) | ((x << 7) & 0x3F80)
-            hi = (x & sign) | ((x >> 1) & 0x3F80)
-            lo = (lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(
-                tl.float16
-            )
-            hi = (hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(
-                tl.float16
-            )
-        return lo, hi
+        lo = _fp8_bits_to_float(x & 0xFF, FP8_MAN, FP8_BIAS, FP8_SUB_ULP)
+        hi = _fp8_bits_to_float((x >> 8) & 0xFF, FP8_MAN, FP8_BIAS, FP8_SUB_ULP)
+        return lo.to(tl.float16), hi.to(tl.float16)
     # $2 holds two int16 elements = bytes (b0, b1 | b2, b3); the permute makes (b0, b2 | b1, b3):
     # the low bytes (even columns) of both elements, then their high bytes (odd columns).
     kind: tl.constexpr = "e5m2x2" if FP8_MAN == 2 else "e4m3x2"
@@ -497,7 +487,9 @@ def paged_attention_kernel(
                     mask=n_valid[:, None],
                     other=0,
                 )  # [TILE_N, C / 2] int16
-                v, v_odd = _fp8_pairs_to_float16(v_pairs, FP8_MAN, FP8_BITS)  # [TILE_N, C / 2]
+                v, v_odd = _fp8_pairs_to_float16(
+                    v_pairs, FP8_MAN, FP8_BIAS, FP8_SUB_ULP, FP8_BITS
+                )  # [TILE_N, C / 2] float16 each
             else:
                 v = _load_kv(
                     kv_ptrs + stride_ckv,
