@@ -144,21 +144,33 @@ def write_kv_row(calls: int) -> dict:
 
 
 def decode_candidates(
-    group: int, nsegs: list[int], kv_heads: int = 1, v_pairs: int = 0
+    group: int,
+    nsegs: list[int],
+    kv_heads: int = 1,
+    v_pairs: int = 0,
+    caps: tuple[int | None, ...] = (None, 128),
 ) -> list[tb.LaunchConfig]:
     """Decode candidates (FP8 sweep; bf16 with ``--sweep-kinds decode,pairs``): 64/128-wide tiles, 2 or 3
-    stages, with and without a 128-register cap (four programs per SM at 4 warps), ``kv_heads`` KV
-    heads per program, ``v_pairs`` (FP8: V read as int16 pairs, the default since run 7).
+    stages, each register cap of ``caps`` (None: uncapped; 128: four programs per SM at 4 warps;
+    168: three), ``kv_heads`` KV heads per program, ``v_pairs`` (FP8: V read as int16 pairs, the
+    default since run 7).
     (5 stages, tried in sweeps 6-7 to keep two K/V tiles in flight, never won: dropped.)"""
     block_q = 16 // (group * kv_heads)
     return [
         tb.LaunchConfig(16, block_q, tn, ns, 4, st, maxnreg=cap, kv_heads=kv_heads, v_pairs=v_pairs)
-        for tn, ns, st, cap in itertools.product([64, 128], nsegs, [2, 3], [None, 128])
+        for tn, ns, st, cap in itertools.product([64, 128], nsegs, [2, 3], caps)
     ]
 
 
-def sweep(calls: int, kinds: set[str]) -> list[dict]:
-    """Tile/warp/stage(/segment) sweep for one prefill and two decode shapes; failures recorded."""
+def sweep(
+    calls: int,
+    kinds: set[str],
+    caps: tuple[int | None, ...] = (None, 128),
+    decode_shapes: tuple[tuple[int, int], ...] | None = None,
+) -> list[dict]:
+    """Tile/warp/stage(/segment) sweep for one prefill and two decode shapes (``decode_shapes``
+    replaces the latter); failures recorded. ``caps``: the register caps of the FP8/pairs decode
+    candidates."""
     group = HQ // HKV
     shapes = {}
     if "prefill" in kinds:
@@ -167,9 +179,8 @@ def sweep(calls: int, kinds: set[str]) -> list[dict]:
     fp8 = KV_DTYPE.itemsize == 1
     if "decode" in kinds:
         tiles, warps, stages = [16, 32, 64] + ([128] if D <= 64 else []), [2, 4, 8], [2, 3]
-        decode_shapes = ((8, 16384), (64, 4096))
-        if fp8:
-            decode_shapes = ((64, 4096), (256, 4096))
+        if decode_shapes is None:
+            decode_shapes = ((64, 4096), (256, 4096)) if fp8 else ((8, 16384), (64, 4096))
         for batch, ctx in decode_shapes:
             step = make_step([1] * batch, [ctx] * batch)
             shapes[f"decode_{batch}x{ctx}"] = (step, [16], tiles, warps, stages)
@@ -181,9 +192,9 @@ def sweep(calls: int, kinds: set[str]) -> list[dict]:
         # two KV heads per program: FP8's default at D <= 64; others with --sweep-kinds ...,pairs
         pairs = name.startswith("decode") and ((fp8 and D <= 64) or "pairs" in kinds)
         if pairs:
-            configs = [default, *decode_candidates(group, [1, 2, 4], 2, int(fp8))]
+            configs = [default, *decode_candidates(group, [1, 2, 4], 2, int(fp8), caps)]
         elif fp8 and name.startswith("decode"):
-            configs = [default, *decode_candidates(group, sorted({1, 2, nseg}), v_pairs=1)]
+            configs = [default, *decode_candidates(group, sorted({1, 2, nseg}), 1, 1, caps)]
         else:
             configs = [
                 tb.LaunchConfig(bm, bm // group, tn, ns, w, st)
@@ -219,6 +230,10 @@ def main() -> None:
                         "replacing the default's, e.g. num_stages=2,maxnreg=128")  # fmt: skip
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16",
                         help="the cache's dtype (queries stay bf16)")  # fmt: skip
+    parser.add_argument("--sweep-caps", default="none,128", help="register caps of the FP8/pairs "
+                        "decode candidates, e.g. none,128,168")  # fmt: skip
+    parser.add_argument("--sweep-shapes", default=None, help="decode shapes of --sweep "
+                        "(batch x context list; default 64x4096,256x4096 FP8, else 8x16384,64x4096)")  # fmt: skip
     a = parser.parse_args()
     globals()["D"] = a.head_dim  # every helper reads the module's D and KV_DTYPE
     globals()["KV_DTYPE"] = KV_DTYPES[a.kv_dtype]
@@ -246,7 +261,13 @@ def main() -> None:
         device=device, torch=torch.__version__, head_dim=D, kv_dtype=a.kv_dtype, rows=rows
     )
     if a.sweep:
-        result["sweep"] = sweep(a.calls, set(a.sweep_kinds.split(",")))
+        caps = tuple(None if c == "none" else int(c) for c in a.sweep_caps.split(","))
+        sweep_shapes = None
+        if a.sweep_shapes:
+            sweep_shapes = tuple(
+                tuple(int(x) for x in s.split("x")) for s in a.sweep_shapes.split(",")
+            )
+        result["sweep"] = sweep(a.calls, set(a.sweep_kinds.split(",")), caps, sweep_shapes)
         for name in sorted({r["shape"] for r in result["sweep"]}):
             ok = [r for r in result["sweep"] if r["shape"] == name and "us" in r]
             for r in sorted(ok, key=lambda r: r["us"])[:3]:
