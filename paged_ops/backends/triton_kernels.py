@@ -439,11 +439,6 @@ def paged_attention_kernel(
     kv_lo = tl.maximum(first_pos - window + 1, 0) if USE_WINDOW else 0
     tile_lo = kv_lo // TILE_N
     tile_hi = tl.cdiv(kv_hi, TILE_N)
-    # [full_lo, full_hi): tiles every row of the block sees whole (inside the KV, at or before the
-    # first row's position, inside the last row's window): no mask there. A decode step's tiles are
-    # all full but its last (fewer instructions in the loop; the branch is uniform per program).
-    full_hi = tl.maximum(first_pos + 1, 0) // TILE_N if CAUSAL else kv_len // TILE_N
-    full_lo = tl.cdiv(tl.maximum(last_pos - window + 1, 0), TILE_N) if USE_WINDOW else 0
     if NUM_SEGMENTS > 1:
         per_segment = tl.cdiv(tile_hi - tile_lo, NUM_SEGMENTS)
         tile_lo = tile_lo + segment * per_segment
@@ -477,13 +472,10 @@ def paged_attention_kernel(
     kv_base = cache_ptr + kv_head * stride_ch
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] KV positions
-        # Positions past the KV end read the last key and value instead (only masked tiles have
-        # them, and there the mask hides them from every row): loads need no row predicate and
-        # never touch memory outside the sequence's blocks.
-        offs_ld = tl.minimum(offs_n, kv_len - 1)
-        blk = tl.load(table_row + offs_ld // BLOCK_SIZE).to(tl.int64)
-        offs_kv = blk * stride_cn + (offs_ld % BLOCK_SIZE) * stride_cb  # [TILE_N]
-        kv_mask = col_mask[None, :]
+        n_valid = offs_n < kv_len
+        blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        offs_kv = blk * stride_cn + (offs_n % BLOCK_SIZE) * stride_cb  # [TILE_N]
+        kv_mask = n_valid[:, None] & col_mask[None, :]
         if FP8_CACHE:
             kv_ptrs = kv_base + offs_kv[:, None] + col_off[None, :]
             k = _load_kv(
@@ -491,7 +483,9 @@ def paged_attention_kernel(
             )  # [TILE_N, D_PAD]
             if V_PAIRS:
                 v_pairs = tl.load(
-                    v_pairs_base + offs_kv[:, None] // 2 + pair_off[None, :]
+                    v_pairs_base + offs_kv[:, None] // 2 + pair_off[None, :],
+                    mask=n_valid[:, None],
+                    other=0,
                 )  # [TILE_N, C / 2] int16
                 v, v_odd = _fp8_pairs_to_float16(
                     v_pairs, FP8_MAN, FP8_BIAS, FP8_SUB_ULP, FP8_BITS
@@ -517,24 +511,19 @@ def paged_attention_kernel(
                 mask=kv_mask,
                 other=0.0,
             )  # [TILE_N, D_PAD]
-        s = _dot(q, tl.trans(k), IEEE_DOT)  # [BLOCK_M, TILE_N] fp32
+        s = _dot(q, tl.trans(k), IEEE_DOT)
+        s = s * scale  # [BLOCK_M, TILE_N] fp32
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
         rel = offs_n[None, :] - q_pos[:, None]  # [BLOCK_M, TILE_N], j - p
-        if USE_SOFTCAP or USE_ALIBI:
-            s = s * scale
-            if USE_SOFTCAP:
-                s = softcap * _tanh(s / softcap)
-            if USE_ALIBI:
-                s = s + slope[:, None] * rel.to(tl.float32)
-            s = s * LOG2E
-        else:
-            s = s * (scale * LOG2E)  # log2 units
-        if (tile >= full_hi) | (tile < full_lo):  # the diagonal, the KV end, the window's edge
-            visible = row_valid[:, None] & (offs_n < kv_len)[None, :]
-            if CAUSAL:
-                visible = visible & (rel <= 0)
-            if USE_WINDOW:
-                visible = visible & (rel > -window)
-            s = tl.where(visible, s, float("-inf"))
+        if USE_ALIBI:
+            s = s + slope[:, None] * rel.to(tl.float32)
+        visible = row_valid[:, None] & n_valid[None, :]
+        if CAUSAL:
+            visible = visible & (rel <= 0)
+        if USE_WINDOW:
+            visible = visible & (rel > -window)
+        s = tl.where(visible, s * LOG2E, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
