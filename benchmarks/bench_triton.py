@@ -149,16 +149,17 @@ def decode_candidates(
     kv_heads: int = 1,
     v_pairs: int = 0,
     caps: tuple[int | None, ...] = (None, 128),
+    warps: tuple[int, ...] = (4,),
 ) -> list[tb.LaunchConfig]:
     """Decode candidates (FP8 sweep; bf16 with ``--sweep-kinds decode,pairs``): 64/128-wide tiles, 2 or 3
     stages, each register cap of ``caps`` (None: uncapped; 128: four programs per SM at 4 warps;
-    168: three), ``kv_heads`` KV heads per program, ``v_pairs`` (FP8: V read as int16 pairs, the
-    default since run 7).
+    168: three), each of ``warps`` warps per program, ``kv_heads`` KV heads per program,
+    ``v_pairs`` (FP8: V read as int16 pairs, the default since run 7).
     (5 stages, tried in sweeps 6-7 to keep two K/V tiles in flight, never won: dropped.)"""
     block_q = 16 // (group * kv_heads)
     return [
-        tb.LaunchConfig(16, block_q, tn, ns, 4, st, maxnreg=cap, kv_heads=kv_heads, v_pairs=v_pairs)
-        for tn, ns, st, cap in itertools.product([64, 128], nsegs, [2, 3], caps)
+        tb.LaunchConfig(16, block_q, tn, ns, w, st, maxnreg=cap, kv_heads=kv_heads, v_pairs=v_pairs)
+        for tn, ns, st, cap, w in itertools.product([64, 128], nsegs, [2, 3], caps, warps)
     ]
 
 
@@ -167,10 +168,11 @@ def sweep(
     kinds: set[str],
     caps: tuple[int | None, ...] = (None, 128),
     decode_shapes: tuple[tuple[int, int], ...] | None = None,
+    warps: tuple[int, ...] = (4,),
 ) -> list[dict]:
     """Tile/warp/stage(/segment) sweep for one prefill and two decode shapes (``decode_shapes``
-    replaces the latter); failures recorded. ``caps``: the register caps of the FP8/pairs decode
-    candidates."""
+    replaces the latter); failures recorded. ``caps``, ``warps``: the register caps and warp
+    counts of the FP8/pairs decode candidates."""
     group = HQ // HKV
     shapes = {}
     if "prefill" in kinds:
@@ -192,9 +194,9 @@ def sweep(
         # two KV heads per program: FP8's default at D <= 64; others with --sweep-kinds ...,pairs
         pairs = name.startswith("decode") and ((fp8 and D <= 64) or "pairs" in kinds)
         if pairs:
-            configs = [default, *decode_candidates(group, [1, 2, 4], 2, int(fp8), caps)]
+            configs = [default, *decode_candidates(group, [1, 2, 4], 2, int(fp8), caps, warps)]
         elif fp8 and name.startswith("decode"):
-            configs = [default, *decode_candidates(group, sorted({1, 2, nseg}), 1, 1, caps)]
+            configs = [default, *decode_candidates(group, sorted({1, 2, nseg}), 1, 1, caps, warps)]
         else:
             configs = [
                 tb.LaunchConfig(bm, bm // group, tn, ns, w, st)
@@ -232,6 +234,8 @@ def main() -> None:
                         help="the cache's dtype (queries stay bf16)")  # fmt: skip
     parser.add_argument("--sweep-caps", default="none,128", help="register caps of the FP8/pairs "
                         "decode candidates, e.g. none,128,168")  # fmt: skip
+    parser.add_argument("--sweep-warps", default="4", help="warps per program of the FP8/pairs "
+                        "decode candidates, e.g. 2,4,8")  # fmt: skip
     parser.add_argument("--sweep-shapes", default=None, help="decode shapes of --sweep "
                         "(batch x context list; default 64x4096,256x4096 FP8, else 8x16384,64x4096)")  # fmt: skip
     a = parser.parse_args()
@@ -267,7 +271,13 @@ def main() -> None:
             sweep_shapes = tuple(
                 tuple(int(x) for x in s.split("x")) for s in a.sweep_shapes.split(",")
             )
-        result["sweep"] = sweep(a.calls, set(a.sweep_kinds.split(",")), caps, sweep_shapes)
+        result["sweep"] = sweep(
+            a.calls,
+            set(a.sweep_kinds.split(",")),
+            caps,
+            sweep_shapes,
+            tuple(int(w) for w in a.sweep_warps.split(",")),
+        )
         for name in sorted({r["shape"] for r in result["sweep"]}):
             ok = [r for r in result["sweep"] if r["shape"] == name and "us" in r]
             for r in sorted(ok, key=lambda r: r["us"])[:3]:
