@@ -45,7 +45,7 @@ def load_kernels():
 
 def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int, arch: int,
                    maxnreg: int | None = None, kv_heads: int = 1,
-                   v_pairs: int = 0) -> tuple[bytes, int]:  # fmt: skip
+                   v_pairs: bool = False) -> tuple[bytes, int]:  # fmt: skip
     """The cubin of ``paged_attention_kernel`` for one decode launch (bf16 queries) and its
     shared memory in bytes."""
     import triton
@@ -60,7 +60,7 @@ def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
         HEAD_DIM=head_dim, CAUSAL=True, USE_WINDOW=False, USE_SOFTCAP=False, USE_SINKS=False,
         USE_ALIBI=False, NUM_SEGMENTS=2, IEEE_DOT=False, USE_K_SCALE=fp8, USE_V_SCALE=fp8,
         FP8_CACHE=fp8, FP8_BITS=False, FP8_MAN=3, FP8_BIAS=7, FP8_SUB_ULP=2.0**-9, F16_DOT=fp8,
-        KV_HEADS=kv_heads, V_PAIRS=int(v_pairs) if fp8 else 0, **{n: 1 for n in UNIT_STRIDES},
+        KV_HEADS=kv_heads, V_PAIRS=fp8 and v_pairs, **{n: 1 for n in UNIT_STRIDES},
     )  # fmt: skip
     pointers = {
         "q_ptr": "*bf16",
@@ -130,7 +130,7 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
 
 def inspect_config(kv: str, head_dim: int, tile_n: int, stages: int, warps: int, arch: int,
                    maxnreg: int | None = None, kv_heads: int = 1,
-                   v_pairs: int = 0) -> dict:  # fmt: skip
+                   v_pairs: bool = False) -> dict:  # fmt: skip
     cubin, shared = compile_decode(
         kv, head_dim, tile_n, stages, warps, arch, maxnreg, kv_heads, v_pairs
     )
@@ -166,9 +166,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--kv-heads", type=int, default=1, help="KV heads per program (the kernel's KV_HEADS)"
     )
     p.add_argument(
-        "--v-pairs", type=int, nargs="?", const=1, default=0,
-        help="FP8: V read as int16 pairs (the kernel's V_PAIRS: 1 cvt, 2 integer bit moves)",
-    )  # fmt: skip
+        "--v-pairs", action="store_true", help="FP8: V read as int16 pairs (the kernel's V_PAIRS)"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import triton

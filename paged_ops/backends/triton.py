@@ -130,8 +130,7 @@ class LaunchConfig:
     heads_fastest: int = 0
     # 1: V of an FP8 cache read as int16 pairs of values (unified kernel, 16-bit queries, head
     # size a power of two, unit-stride cache rows): 16-bit transposing loads instead of 8-bit
-    # reads a byte at a time (kernels._fp8_pairs_to_float16); 2: the same, decoded by integer bit
-    # moves instead of cvt (e4m3 values 2^-8 scaled, multiplied back after the loop)
+    # reads a byte at a time (kernels._fp8_pairs_to_float16)
     v_pairs: int = 0
 
 
@@ -340,13 +339,11 @@ def paged_attention(
     decode_bits = fp8_cache and _interpreting()
     f16_dot = fp8_cache and query.dtype in (torch.float16, torch.bfloat16)
     cache_arg = kv_cache.view(torch.uint8) if decode_bits else kv_cache
-    if cfg.v_pairs not in (0, 1, 2):
-        raise ValueError(f"{cfg}: v_pairs must be 0 (bytes), 1 (cvt) or 2 (bit moves)")
     if cfg.v_pairs and not (f16_dot and _v_pairs_fit(kv_cache, head_dim)):
         if config is not None:
             raise ValueError(
-                f"{cfg} (v_pairs={cfg.v_pairs}) needs an FP8 cache with unit-stride rows and even "
-                f"strides, 16-bit queries and a power-of-two head size; got cache "
+                f"{cfg} (v_pairs=1) needs an FP8 cache with unit-stride rows and even strides, "
+                f"16-bit queries and a power-of-two head size; got cache "
                 f"{kv_cache.dtype} strides {tuple(kv_cache.stride())}, query {query.dtype}, "
                 f"head_dim {head_dim}"
             )
@@ -463,7 +460,7 @@ def paged_attention(
         **fp8_args,
         KV_HEADS=cfg.kv_heads,
         HEADS_FASTEST=heads_fastest,
-        V_PAIRS=cfg.v_pairs,
+        V_PAIRS=bool(cfg.v_pairs),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),

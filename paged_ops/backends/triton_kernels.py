@@ -114,52 +114,27 @@ def _fp8_pairs_to_float16(
     FP8_BIAS: tl.constexpr,
     FP8_SUB_ULP: tl.constexpr,
     BY_HAND: tl.constexpr,  # the interpreter: integer decode (it has no inline PTX)
-    BIT_SHIFT: tl.constexpr = False,  # integer ops instead of cvt; e4m3 values come 2^-8 scaled
 ):
-    """FP8 byte pairs -> (even columns, odd columns) as float16, ``[N, C]`` each, exact (times
-    ``2^-8`` for e4m3 with ``BIT_SHIFT``: the caller multiplies the result back).
+    """FP8 byte pairs -> (even columns, odd columns) as float16, ``[N, C]`` each, exact.
 
     V is the B operand of ``p @ v`` with its columns contiguous, so Triton moves an 8-bit V tile
     to the dot-operand layout by reading it back from shared memory a byte at a time (sm_90 has no
     8-bit ``ldmatrix.trans``). Read as 16-bit pairs, the tile takes the 16-bit transposing path
     (``ldmatrix.trans``) like a bf16 V; the pure, one-input conversion below lets Triton hoist that
     layout change above it. On the GPU: one byte permute and two packed hardware conversions
-    (``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``, sm_89+) per two pairs; with ``BIT_SHIFT`` bit moves on
-    the integer pipes instead (each byte to the high byte of a float16 lane; e5m2 is a float16's
-    high byte, e4m3 shifts its exponent and mantissa right by one: the float16 value of the byte
-    is then the FP8 value times 2^-8, exactly, subnormals included). By hand: each byte through
+    (``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``, sm_89+) per two pairs. By hand: each byte through
     ``_fp8_bits_to_float`` (every FP8 value is a float16 value)."""
     if BY_HAND:
         lo = _fp8_bits_to_float(x & 0xFF, FP8_MAN, FP8_BIAS, FP8_SUB_ULP)
         hi = _fp8_bits_to_float((x >> 8) & 0xFF, FP8_MAN, FP8_BIAS, FP8_SUB_ULP)
-        if BIT_SHIFT and FP8_MAN == 3:
-            lo = lo * (1.0 / 256.0)
-            hi = hi * (1.0 / 256.0)
         return lo.to(tl.float16), hi.to(tl.float16)
-    if BIT_SHIFT:
-        # $2 = bytes (b0, b1 | b2, b3); e = $2 << 8 puts b0, b2 in the high bytes of the two
-        # 16-bit lanes (even columns), $2 itself has b1, b3 there (odd columns).
-        if FP8_MAN == 2:  # e5m2 is the high byte of the float16 of the same value
-            asm: tl.constexpr = (
-                "{ .reg .b32 e; shl.b32 e, $2, 8; and.b32 $0, e, 0xFF00FF00; "
-                "and.b32 $1, $2, 0xFF00FF00; }"
-            )
-        else:  # e4m3: sign stays, exponent and mantissa move right by one bit
-            asm: tl.constexpr = (
-                "{ .reg .b32 e, m, s; shl.b32 e, $2, 8; "
-                "and.b32 m, e, 0x7F007F00; shr.b32 m, m, 1; and.b32 s, e, 0x80008000; "
-                "or.b32 $0, m, s; "
-                "and.b32 m, $2, 0x7F007F00; shr.b32 m, m, 1; and.b32 s, $2, 0x80008000; "
-                "or.b32 $1, m, s; }"
-            )
-    else:
-        # $2 holds two int16 elements = bytes (b0, b1 | b2, b3); the permute makes (b0, b2 | b1,
-        # b3): the low bytes (even columns) of both elements, then their high bytes (odd columns).
-        kind: tl.constexpr = "e5m2x2" if FP8_MAN == 2 else "e4m3x2"
-        asm: tl.constexpr = (
-            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
-            "cvt.rn.f16x2." + kind + " $0, lo; cvt.rn.f16x2." + kind + " $1, hi; }"
-        )
+    # $2 holds two int16 elements = bytes (b0, b1 | b2, b3); the permute makes (b0, b2 | b1, b3):
+    # the low bytes (even columns) of both elements, then their high bytes (odd columns).
+    kind: tl.constexpr = "e5m2x2" if FP8_MAN == 2 else "e4m3x2"
+    asm: tl.constexpr = (
+        "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
+        "cvt.rn.f16x2." + kind + " $0, lo; cvt.rn.f16x2." + kind + " $1, hi; }"
+    )
     return tl.inline_asm_elementwise(
         asm, "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
     )
@@ -400,8 +375,7 @@ def paged_attention_kernel(
     F16_DOT: tl.constexpr,  # FP8 cache, 16-bit query: scaled float16 dots (see below)
     KV_HEADS: tl.constexpr = 1,  # KV heads per program (GROUP covers all their query heads)
     HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, query blocks, segments)
-    V_PAIRS: tl.constexpr = 0,  # F16_DOT, HEAD_DIM == D_PAD, unit stride: V as int16 pairs
-    # (1: decoded by cvt, 2: by integer bit moves)
+    V_PAIRS: tl.constexpr = False,  # F16_DOT, HEAD_DIM == D_PAD, unit stride: V as int16 pairs
 ):
     if HEADS_FASTEST:  # programs of one query block's heads run together (they read the same pages)
         pid = tl.program_id(1)
@@ -514,8 +488,8 @@ def paged_attention_kernel(
                     other=0,
                 )  # [TILE_N, C / 2] int16
                 v, v_odd = _fp8_pairs_to_float16(
-                    v_pairs, FP8_MAN, FP8_BIAS, FP8_SUB_ULP, FP8_BITS, V_PAIRS == 2
-                )  # [TILE_N, C / 2] float16 each (e4m3 with V_PAIRS == 2: times 2^-8)
+                    v_pairs, FP8_MAN, FP8_BIAS, FP8_SUB_ULP, FP8_BITS
+                )  # [TILE_N, C / 2] float16 each
             else:
                 v = _load_kv(
                     kv_ptrs + stride_ckv,
@@ -563,8 +537,6 @@ def paged_attention_kernel(
 
     if V_PAIRS:  # columns 2c and 2c + 1 side by side: [BLOCK_M, KV_HEADS * D_PAD]
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, KV_HEADS * D_PAD])
-        if V_PAIRS == 2 and FP8_MAN == 3:  # the bit-shift decode's e4m3 values are 2^-8 scaled
-            acc = acc * 256.0
 
     if USE_V_SCALE:
         if KV_HEADS == 1:
