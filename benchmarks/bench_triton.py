@@ -150,8 +150,9 @@ def decode_candidates(
     v_pairs: int = 0,
     caps: tuple[int | None, ...] = (None, 128),
     warps: tuple[int, ...] = (4,),
+    tiles: tuple[int, ...] = (64, 128),
 ) -> list[tb.LaunchConfig]:
-    """Decode candidates (FP8 sweep; bf16 with ``--sweep-kinds decode,pairs``): 64/128-wide tiles, 2 or 3
+    """Decode candidates (FP8 sweep; bf16 with ``--sweep-kinds decode,pairs``): ``tiles`` wide, 2 or 3
     stages, each register cap of ``caps`` (None: uncapped; 128: four programs per SM at 4 warps;
     168: three), each of ``warps`` warps per program, ``kv_heads`` KV heads per program,
     ``v_pairs`` (FP8: V read as int16 pairs, the default since run 7).
@@ -159,7 +160,7 @@ def decode_candidates(
     block_q = 16 // (group * kv_heads)
     return [
         tb.LaunchConfig(16, block_q, tn, ns, w, st, maxnreg=cap, kv_heads=kv_heads, v_pairs=v_pairs)
-        for tn, ns, st, cap, w in itertools.product([64, 128], nsegs, [2, 3], caps, warps)
+        for tn, ns, st, cap, w in itertools.product(tiles, nsegs, [2, 3], caps, warps)
     ]
 
 
@@ -169,10 +170,12 @@ def sweep(
     caps: tuple[int | None, ...] = (None, 128),
     decode_shapes: tuple[tuple[int, int], ...] | None = None,
     warps: tuple[int, ...] = (4,),
+    tiles: tuple[int, ...] = (64, 128),
+    splits: tuple[int, ...] | None = None,
 ) -> list[dict]:
     """Tile/warp/stage(/segment) sweep for one prefill and two decode shapes (``decode_shapes``
-    replaces the latter); failures recorded. ``caps``, ``warps``: the register caps and warp
-    counts of the FP8/pairs decode candidates."""
+    replaces the latter); failures recorded. ``caps``, ``warps``, ``tiles``, ``splits``: the
+    register caps, warp counts, KV tile widths and splits of the FP8/pairs decode candidates."""
     group = HQ // HKV
     shapes = {}
     if "prefill" in kinds:
@@ -194,9 +197,11 @@ def sweep(
         # two KV heads per program: FP8's default at D <= 64; others with --sweep-kinds ...,pairs
         pairs = name.startswith("decode") and ((fp8 and D <= 64) or "pairs" in kinds)
         if pairs:
-            configs = [default, *decode_candidates(group, [1, 2, 4], 2, int(fp8), caps, warps)]
+            segs = list(splits or (1, 2, 4))
+            configs = [default, *decode_candidates(group, segs, 2, int(fp8), caps, warps, tiles)]
         elif fp8 and name.startswith("decode"):
-            configs = [default, *decode_candidates(group, sorted({1, 2, nseg}), 1, 1, caps, warps)]
+            segs = list(splits or sorted({1, 2, nseg}))
+            configs = [default, *decode_candidates(group, segs, 1, 1, caps, warps, tiles)]
         else:
             configs = [
                 tb.LaunchConfig(bm, bm // group, tn, ns, w, st)
@@ -236,6 +241,10 @@ def main() -> None:
                         "decode candidates, e.g. none,128,168")  # fmt: skip
     parser.add_argument("--sweep-warps", default="4", help="warps per program of the FP8/pairs "
                         "decode candidates, e.g. 2,4,8")  # fmt: skip
+    parser.add_argument("--sweep-tiles", default="64,128", help="KV tile widths of the FP8/pairs "
+                        "decode candidates")  # fmt: skip
+    parser.add_argument("--sweep-splits", default=None, help="splits of the FP8/pairs decode "
+                        "candidates (default: 1, 2 and the default launch's)")  # fmt: skip
     parser.add_argument("--sweep-shapes", default=None, help="decode shapes of --sweep "
                         "(batch x context list; default 64x4096,256x4096 FP8, else 8x16384,64x4096)")  # fmt: skip
     a = parser.parse_args()
@@ -277,6 +286,8 @@ def main() -> None:
             caps,
             sweep_shapes,
             tuple(int(w) for w in a.sweep_warps.split(",")),
+            tuple(int(t) for t in a.sweep_tiles.split(",")),
+            tuple(int(n) for n in a.sweep_splits.split(",")) if a.sweep_splits else None,
         )
         for name in sorted({r["shape"] for r in result["sweep"]}):
             ok = [r for r in result["sweep"] if r["shape"] == name and "us" in r]
