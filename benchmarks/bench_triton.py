@@ -183,14 +183,14 @@ def sweep(
         shapes["prefill_4x2048"] = prefill
     fp8 = KV_DTYPE.itemsize == 1
     if "decode" in kinds:
-        tiles, warps, stages = [16, 32, 64] + ([128] if D <= 64 else []), [2, 4, 8], [2, 3]
+        grid_tiles = [16, 32, 64] + ([128] if D <= 64 else [])  # the bf16 grid's (not ``tiles``)
         if decode_shapes is None:
             decode_shapes = ((64, 4096), (256, 4096)) if fp8 else ((8, 16384), (64, 4096))
         for batch, ctx in decode_shapes:
             step = make_step([1] * batch, [ctx] * batch)
-            shapes[f"decode_{batch}x{ctx}"] = (step, [16], tiles, warps, stages)
+            shapes[f"decode_{batch}x{ctx}"] = (step, [16], grid_tiles, [2, 4, 8], [2, 3])
     rows = []
-    for name, (args, block_ms, tile_ns, warps, stages) in shapes.items():
+    for name, (args, block_ms, tile_ns, grid_warps, stages) in shapes.items():
         default = default_config(args)
         nseg = default.num_segments
         nsegs = [nseg] if nseg == 1 else [nseg, 2 * nseg]
@@ -205,7 +205,9 @@ def sweep(
         else:
             configs = [
                 tb.LaunchConfig(bm, bm // group, tn, ns, w, st)
-                for bm, tn, w, st, ns in itertools.product(block_ms, tile_ns, warps, stages, nsegs)
+                for bm, tn, w, st, ns in itertools.product(
+                    block_ms, tile_ns, grid_warps, stages, nsegs
+                )
             ]
         # a discarded first timing: the first row of a shape read ~10% slow in sweeps 6 and 7
         # (H100; the same config later in the sweep did not), which is warm-up, not the config
