@@ -13,6 +13,7 @@ import torch
 from paged_testing import (
     PADDED_FEATURES,
     assert_matches_dense,
+    attend,
     dense_batch_f64,
     fp8_scales,
     make_batch,
@@ -240,6 +241,93 @@ def test_triton_decode_with_v_as_int16_pairs_matches_float64(dtype, kv_heads, gr
         batch, "triton", config=bytes_cfg, k_scale=k_scale, v_scale=v_scale, **kwargs
     )
     torch.testing.assert_close(out, out_bytes, rtol=1e-3, atol=1e-4)
+
+
+WARP_SPLIT_STEPS = {
+    "decode": [(0, 1), (5, 1), (63, 1), (64, 1), (200, 1), (0, 1)],  # ends mid-tile, at a tile end
+    "two_tokens": [(3, 2), (62, 2), (150, 2)],  # causal mask inside the block
+}
+
+
+@pytest.mark.parametrize("scales", ["head", "layer"])
+@pytest.mark.parametrize("step", sorted(WARP_SPLIT_STEPS))
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dtype", FP8)
+def test_warp_split_decode_matches_float64_and_the_unified_kernel(dtype, group, step, scales):
+    """``kernel="warp_split"`` (FP8 decode at D=128): each warp's running softmax over its own KV
+    positions, merged after the loop, matches float64 on the dequantized cache (tight) and on the
+    unquantized K/V (FP8's own error), and the unified kernel; padded query rows are zeros."""
+    from paged_ops.backends import triton as tb
+
+    needs_triton("triton")
+    num_kv_heads = 2
+    base = make_batch(
+        WARP_SPLIT_STEPS[step], num_q_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+        head_dim=128, block_size=16, dtype=torch.float16, pad_tokens=2, pad_seqs=1,
+        seed=group + len(step),
+    )  # fmt: skip
+    k_scale, v_scale = fp8_scales(scales, num_kv_heads)
+    batch = quantized_batch(base, dtype, k_scale, v_scale)
+    tokens, seqs = batch.query.shape[0], batch.seq_lens.shape[0]
+    cfg = tb.launch_config(
+        num_tokens=tokens, num_seqs=seqs, num_q_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads, head_dim=128, max_kv_len=batch.block_table.shape[1] * 16,
+        num_sms=132, fp8_cache=True, plain_causal=True, warp_split=True,
+    )  # fmt: skip
+    assert cfg.kernel == "warp_split" and cfg.num_warps == 2 and cfg.tile_n == 64
+    out = write_and_attend(batch, "triton", config=cfg, k_scale=k_scale, v_scale=v_scale)
+    assert_matches_dense(out, batch, dense_batch_f64(batch, scale=128**-0.5), rtol=3e-3)
+    unquantized = dense_batch_f64(base, scale=128**-0.5)
+    assert_matches_dense(out, batch, unquantized, UNQUANTIZED_RTOL[dtype])
+    real = int(batch.cu_seqlens_q[-1])
+    assert (out[real:] == 0).all(), "padded query rows must be zeros"
+    unified = dataclasses.replace(cfg, kernel="unified", tile_n=128, num_warps=4, heads_fastest=1)
+    out_unified = attend(batch, "triton", config=unified, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out, out_unified, rtol=2e-3, atol=2e-4)
+
+
+def test_warp_split_is_the_default_only_where_it_applies(monkeypatch):
+    """FP8 decode at D=128, one pass, plain causal, pairs view: warp split; a window, softcap,
+    sinks or ALiBi, D=64, a split (one small sequence), a bf16 cache or a float32 query: not. A
+    forced warp-split config where it cannot apply is refused before any kernel runs."""
+    from paged_ops.backends import triton as tb
+
+    needs_triton("triton")
+    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, max_kv_len=4096, num_sms=132)
+    plain = dict(fp8_cache=True, plain_causal=True, warp_split=True)
+    many = dict(num_tokens=256, num_seqs=256)  # 512 programs: one pass
+    assert tb.launch_config(**many, **shape, **plain).kernel == "warp_split"
+    assert tb.launch_config(**many, **shape, fp8_cache=True).kernel == "unified"
+    assert tb.launch_config(**many, **shape, warp_split=True).kernel == "unified"  # bf16 cache
+    one_long = tb.launch_config(num_tokens=1, num_seqs=1, **shape, **plain)  # split-KV
+    assert one_long.kernel == "unified" and one_long.num_segments > 1
+    d64 = dict(shape, head_dim=64)
+    assert tb.launch_config(**many, **d64, **plain).kernel == "unified"
+    # through paged_attention: count the warp-split launches
+    launches = []
+    real = tb._warp_split_decode
+    monkeypatch.setattr(
+        tb, "_warp_split_decode", lambda *a, **k: launches.append(1) or real(*a, **k)
+    )
+    base = make_batch(
+        DECODE, num_q_heads=4, num_kv_heads=2, head_dim=128, block_size=16,
+        dtype=torch.float16, seed=9,
+    )  # fmt: skip
+    k_scale, v_scale = fp8_scales("head", 2)
+    batch = quantized_batch(base, E4M3, k_scale, v_scale)
+    write_and_attend(batch, "triton", k_scale=k_scale, v_scale=v_scale)
+    assert len(launches) == 1
+    for feature in FEATURES:
+        out = attend(batch, "triton", k_scale=k_scale, v_scale=v_scale, **PADDED_FEATURES[feature])
+        assert torch.isfinite(out).all()
+    assert len(launches) == 1, "a window, softcap or sinks must take the unified kernel"
+    forced = tb.launch_config(**many, **shape, **plain)
+    with pytest.raises(ValueError, match="kernel='warp_split'.*plain causal"):
+        attend(batch, "triton", config=forced, k_scale=k_scale, v_scale=v_scale, softcap=30.0)
+    with pytest.raises(ValueError, match="tile_n = num_warps"):
+        attend(batch, "triton", config=dataclasses.replace(forced, tile_n=48),
+               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    assert len(launches) == 3  # (the refused calls reached the launcher's checks, no kernel)
 
 
 def test_v_pairs_is_fp8_decodes_default_and_refused_where_the_cache_does_not_fit():

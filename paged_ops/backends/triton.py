@@ -28,6 +28,7 @@ import triton
 
 from paged_ops.backends import LayerSpec
 from paged_ops.backends import triton_kernels as kernels
+from paged_ops.backends import triton_warp_split as warp_split
 from paged_ops.fp8 import fp8_format, is_fp8
 
 MAX_HEAD_DIM = 256
@@ -122,7 +123,9 @@ class LaunchConfig:
     num_segments: int  # 1 = one pass; > 1 = split-KV + reduce
     num_warps: int
     num_stages: int
-    kernel: str = "unified"  # or "prefill": plain causal prefill/mixed steps (see launch_config)
+    # "unified", "prefill" (plain causal prefill/mixed steps) or "warp_split" (plain causal FP8
+    # decode at D=128, triton_warp_split.py); see launch_config
+    kernel: str = "unified"
     maxnreg: int | None = None  # register cap per thread (more programs per SM; unified kernel)
     kv_heads: int = 1  # KV heads per program (unified kernel): 2 pairs D=64 heads (FP8 decode)
     # 1: grid (KV heads, query blocks, segments): a block's head programs run together and read
@@ -165,6 +168,7 @@ def launch_config(
     num_segments: int | None = None,
     fp8_cache: bool = False,
     plain_causal: bool = False,
+    warp_split: bool = False,
 ) -> LaunchConfig:
     """Pick tiles and split-KV from the step's shapes (``T``, ``S``) and the block-table capacity.
 
@@ -182,6 +186,10 @@ def launch_config(
     (masks only on the diagonal tiles, unpredicated loads): 64 x 64 tiles and 4 warps, or 128 x 128 and 8 warps when the step
     averages >= 1024 tokens per sequence; 2 stages (H200 sweep, benchmarks/NOTES.md section 11:
     4 x 2048 D=128 596 -> 409 us, 1 x 8192 2,331 -> 1,339 us).
+    FP8 decode at D=128 in one pass, where the caller says the step fits (``warp_split``: plain
+    causal, 16-bit queries, a cache the int16 pairs view can read) runs the warp-split kernel:
+    2 warps, each with its own 32 positions of every 64-position tile, 3 stages (H100: 256 x 4096
+    752.6 -> 746.5 us, 64 x 4096 192.3 -> 190.9 us; benchmarks/NOTES.md section 10).
     """
     group = num_q_heads // num_kv_heads
     decode_like = num_tokens <= 2 * num_seqs
@@ -231,6 +239,9 @@ def launch_config(
         # measured apart, and one end-to-end run at 256 x 128 read 0.95x (NOTES.md section 10).
         if not fp8_cache:
             return LaunchConfig(block_m, block_q, 64, 1, 4, 2, kernel="prefill")
+    if warp_split and fp8_decode and d_pad == 128 and kv_heads == 1 and num_segments == 1:
+        return LaunchConfig(block_m, block_q, 64, 1, 2, 3, kernel="warp_split",
+                            heads_fastest=1, v_pairs=1)  # fmt: skip
     # Decode: a query block's KV-head programs launch together, so they read the same KV pages
     # at the same time (H100, one run each: bf16 D=64 64 x 4096 194.0 -> 183.8 us, FP8 D=64
     # 111.4 -> 108.9, D=128 0-1.4% faster, one row 0.7% slower; NOTES.md section 10)
@@ -305,6 +316,8 @@ def paged_attention(
     plain_causal = (
         bool(causal) and window <= 0 and softcap <= 0 and sinks is None and alibi_slopes is None
     )
+    f16_dot = fp8_cache and query.dtype in (torch.float16, torch.bfloat16)
+    pairs_fit = f16_dot and _v_pairs_fit(kv_cache, head_dim)
     cfg = config or launch_config(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
@@ -316,6 +329,8 @@ def paged_attention(
         num_segments=num_segments,
         fp8_cache=fp8_cache,
         plain_causal=plain_causal,
+        # (its grid puts the query blocks on y, at most 65,535 of them)
+        warp_split=plain_causal and pairs_fit and num_tokens + num_seqs < 65535,
     )
     group = num_q_heads // num_kv_heads
     if (
@@ -337,9 +352,8 @@ def paged_attention(
     dummy = cu_seqlens_q  # stands in for absent optional tensors (never read)
     fp8 = fp8_format(kv_cache.dtype)
     decode_bits = fp8_cache and _interpreting()
-    f16_dot = fp8_cache and query.dtype in (torch.float16, torch.bfloat16)
     cache_arg = kv_cache.view(torch.uint8) if decode_bits else kv_cache
-    if cfg.v_pairs and not (f16_dot and _v_pairs_fit(kv_cache, head_dim)):
+    if cfg.v_pairs and not pairs_fit:
         if config is not None:
             raise ValueError(
                 f"{cfg} (v_pairs=1) needs an FP8 cache with unit-stride rows and even strides, "
@@ -365,6 +379,13 @@ def paged_attention(
         _scale_stride(k_scale),
         _scale_stride(v_scale),
     )
+    if cfg.kernel == "warp_split":
+        _warp_split_decode(
+            out, query, kv_cache, cache_arg, pairs_arg, cu_seqlens_q, seq_lens, block_table,
+            scale_args, float(scale), cfg, fp8_args, plain_causal=plain_causal,
+            pairs_fit=pairs_fit,
+        )  # fmt: skip
+        return out
     if cfg.kernel == "prefill":  # (a forced config may ask for it where it does not apply)
         if not plain_causal:
             raise ValueError(
@@ -484,3 +505,73 @@ def paged_attention(
             num_warps=4,
         )
     return out
+
+
+def _warp_split_decode(
+    out: torch.Tensor,  # [T, Hq, D]
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D] FP8
+    cache_arg: torch.Tensor,  # kv_cache, or its uint8 view under the interpreter
+    pairs_arg: torch.Tensor,  # [N, 2, B, Hkv, D / 2] its int16 view
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale_args: tuple,
+    scale: float,
+    cfg: LaunchConfig,
+    fp8_args: dict,
+    *,
+    plain_causal: bool,
+    pairs_fit: bool,
+) -> None:
+    """Launch ``warp_split_decode_kernel`` (checks a forced config first)."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs, num_kv_heads = seq_lens.shape[0], kv_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    sub = cfg.tile_n // max(cfg.num_warps, 1)
+    blocks = num_tokens // cfg.block_q + num_seqs + 1
+    problems = [
+        why
+        for bad, why in (
+            (not plain_causal, "plain causal attention (no window, softcap, sinks or ALiBi)"),
+            (not pairs_fit, "an FP8 cache the int16 pairs view reads (unit-stride rows, even "
+             "strides, a power-of-two head size) and 16-bit queries"),
+            (cfg.num_segments != 1 or cfg.kv_heads != 1, "one segment and one KV head"),
+            (cfg.tile_n != sub * cfg.num_warps or sub < 16 or sub & (sub - 1),
+             "tile_n = num_warps x a power of two >= 16"),
+            (cfg.block_m < 16 or cfg.block_q * group > cfg.block_m, "block_m >= 16"),
+            (blocks > 65535, "at most 65,535 query blocks"),
+        )
+        if bad
+    ]  # fmt: skip
+    if problems:
+        raise ValueError(f"{cfg} (kernel='warp_split') needs " + "; ".join(problems))
+    warp_split.warp_split_decode_kernel[(num_kv_heads, blocks)](
+        out,
+        query,
+        cache_arg,
+        pairs_arg,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        *scale_args,
+        scale,
+        num_seqs,
+        num_tokens,
+        out.stride(0),
+        out.stride(1),
+        *query.stride(),
+        *kv_cache.stride()[:4],
+        block_table.stride(0),
+        BLOCK_SIZE=kv_cache.shape[2],
+        GROUP=group,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=cfg.block_m,
+        W=cfg.num_warps,
+        SUB=sub,
+        D=head_dim,
+        **{k: v for k, v in fp8_args.items() if k not in ("FP8_CACHE", "F16_DOT")},
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+    )
