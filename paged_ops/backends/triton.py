@@ -123,8 +123,8 @@ class LaunchConfig:
     num_segments: int  # 1 = one pass; > 1 = split-KV + reduce
     num_warps: int
     num_stages: int
-    # "unified", "prefill" (plain causal prefill/mixed steps) or "warp_split" (plain causal FP8
-    # decode at D=128, triton_warp_split.py); see launch_config
+    # "unified", "prefill" (plain causal prefill/mixed steps; see launch_config) or "warp_split"
+    # (plain causal FP8 decode, triton_warp_split.py: forced configs only, an experiment)
     kernel: str = "unified"
     maxnreg: int | None = None  # register cap per thread (more programs per SM; unified kernel)
     kv_heads: int = 1  # KV heads per program (unified kernel): 2 pairs D=64 heads (FP8 decode)
@@ -168,7 +168,6 @@ def launch_config(
     num_segments: int | None = None,
     fp8_cache: bool = False,
     plain_causal: bool = False,
-    warp_split: bool = False,
 ) -> LaunchConfig:
     """Pick tiles and split-KV from the step's shapes (``T``, ``S``) and the block-table capacity.
 
@@ -186,10 +185,9 @@ def launch_config(
     (masks only on the diagonal tiles, unpredicated loads): 64 x 64 tiles and 4 warps, or 128 x 128 and 8 warps when the step
     averages >= 1024 tokens per sequence; 2 stages (H200 sweep, benchmarks/NOTES.md section 11:
     4 x 2048 D=128 596 -> 409 us, 1 x 8192 2,331 -> 1,339 us).
-    FP8 decode at D=128 in one pass, where the caller says the step fits (``warp_split``: plain
-    causal, 16-bit queries, a cache the int16 pairs view can read) runs the warp-split kernel:
-    2 warps, each with its own 32 positions of every 64-position tile, 3 stages (H100: 256 x 4096
-    752.6 -> 746.5 us, 64 x 4096 192.3 -> 190.9 us; benchmarks/NOTES.md section 10).
+    The warp-split FP8 decode kernel (``kernel="warp_split"``) is never picked here: only a forced
+    config runs it (benchmarks/NOTES.md section 10: faster in its own harness, slower in
+    ``bench_attention.py``, not yet explained).
     """
     group = num_q_heads // num_kv_heads
     decode_like = num_tokens <= 2 * num_seqs
@@ -239,9 +237,6 @@ def launch_config(
         # measured apart, and one end-to-end run at 256 x 128 read 0.95x (NOTES.md section 10).
         if not fp8_cache:
             return LaunchConfig(block_m, block_q, 64, 1, 4, 2, kernel="prefill")
-    if warp_split and fp8_decode and d_pad == 128 and kv_heads == 1 and num_segments == 1:
-        return LaunchConfig(block_m, block_q, 64, 1, 2, 3, kernel="warp_split",
-                            heads_fastest=1, v_pairs=1)  # fmt: skip
     # Decode: a query block's KV-head programs launch together, so they read the same KV pages
     # at the same time (H100, one run each: bf16 D=64 64 x 4096 194.0 -> 183.8 us, FP8 D=64
     # 111.4 -> 108.9, D=128 0-1.4% faster, one row 0.7% slower; NOTES.md section 10)
@@ -329,8 +324,6 @@ def paged_attention(
         num_segments=num_segments,
         fp8_cache=fp8_cache,
         plain_causal=plain_causal,
-        # (its grid puts the query blocks on y, at most 65,535 of them)
-        warp_split=plain_causal and pairs_fit and num_tokens + num_seqs < 65535,
     )
     group = num_q_heads // num_kv_heads
     if (

@@ -8,10 +8,15 @@ cross warps through shared memory: nine barriers per tile at D=128 on sm_90. Her
 Triton gives each warp one batch entry, so each warp keeps its own running max, sum and
 accumulator for its positions (reductions stay inside the warp: two barriers per tile, the copy
 waits) and the ``W`` partial softmax states merge once after the loop, as split-KV segments do
-across programs. Offline SASS at D=128 (Triton 3.6, sm_90, ``W=2, SUB=32``, 3 stages): 725 loop
-instructions per 64 positions per thread, no spills (182 registers); the unified kernel's loop
-issues 28% more warp instructions per position. H100: 256 x 4096 752.6 -> 746.5 us, 64 x 4096
-192.3 -> 190.9 us (benchmarks/NOTES.md section 10).
+across programs. Offline SASS at D=128 (Triton 3.6, sm_90, ``W=2, SUB=32``, 3 stages): 788 loop
+instructions per 64 positions per thread, no spills (187 registers), 2 barriers per tile.
+
+**An experiment, not a default**: the launch logic never picks it; a forced ``LaunchConfig(...,
+kernel="warp_split")`` runs it (benchmarks, tests). H100: a first version timed in its own script
+read 746.5 vs 752.6 us (256 x 4096) and 190.9 vs 192.3 us (64 x 4096) against the unified
+kernel; this one, made the default for a run of ``bench_attention.py``, read 839.9 and 285.4 us
+there against the unified kernel's 753 and 193 in earlier runs. The difference between the two
+measurements is not explained yet (benchmarks/NOTES.md section 10 lists what differs).
 
 Served: FP8 caches read by 16-bit queries (float16 dots, V as int16 pairs: ``F16_DOT`` and
 ``V_PAIRS`` of the unified kernel), one KV head and one segment per program, plain causal
