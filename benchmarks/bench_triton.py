@@ -249,8 +249,8 @@ def main() -> None:
                         "decode candidates")  # fmt: skip
     parser.add_argument("--sweep-splits", default=None, help="splits of the FP8/pairs decode "
                         "candidates (default: 1, 2 and the default launch's)")  # fmt: skip
-    parser.add_argument("--sweep-shapes", default=None, help="decode shapes of --sweep "
-                        "(batch x context list; default 64x4096,256x4096 FP8, else 8x16384,64x4096)")  # fmt: skip
+    parser.add_argument("--sweep-shapes", default=None, help="decode shapes of --sweep (batch "
+                        "x context list; default 64x4096,256x4096 FP8, else 8x16384,64x4096)")  # fmt: skip
     a = parser.parse_args()
     globals()["D"] = a.head_dim  # every helper reads the module's D and KV_DTYPE
     globals()["KV_DTYPE"] = KV_DTYPES[a.kv_dtype]

@@ -148,7 +148,8 @@ def inspect_config(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
     # cp.async waits: "DEPBAR.LE SB0, n" lets n groups stay in flight (the prefetch depth)
     waits = collections.Counter(re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", sass))
     return dict(kv=kv, head_dim=head_dim, tile_n=tile_n, stages=stages, warps=warps,
-                maxnreg=maxnreg, kv_heads=kv_heads, v_pairs=v_pairs, registers=regs, stack_bytes=stack,
+                maxnreg=maxnreg, kv_heads=kv_heads, v_pairs=v_pairs, registers=regs,
+                stack_bytes=stack,
                 shared_bytes=shared, loop_instructions=size,
                 warp_instructions_per_128_positions=size * warps * 128 // tile_n,
                 opcodes=dict(ops.most_common()), loads=dict(loads),

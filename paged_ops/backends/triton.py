@@ -333,7 +333,7 @@ def paged_attention(
     ):
         raise ValueError(
             f"{cfg}: kv_heads must divide num_kv_heads={num_kv_heads} (and be 1 for the "
-            "prefill kernel)"
+            "prefill and warp-split kernels)"
         )
     rows_per_token = group * cfg.kv_heads
     if cfg.block_q < 1 or cfg.block_q * rows_per_token > cfg.block_m:
@@ -529,10 +529,11 @@ def _warp_split_decode(
             (not plain_causal, "plain causal attention (no window, softcap, sinks or ALiBi)"),
             (not pairs_fit, "an FP8 cache the int16 pairs view reads (unit-stride rows, even "
              "strides, a power-of-two head size) and 16-bit queries"),
-            (cfg.num_segments != 1 or cfg.kv_heads != 1, "one segment and one KV head"),
+            # (kv_heads == 1 and the GQA fit are checked by paged_attention for every kernel)
+            (cfg.num_segments != 1, "one segment"),
             (cfg.tile_n != sub * cfg.num_warps or sub < 16 or sub & (sub - 1),
              "tile_n = num_warps x a power of two >= 16"),
-            (cfg.block_m < 16 or cfg.block_q * group > cfg.block_m, "block_m >= 16"),
+            (cfg.block_m < 16, "block_m >= 16"),
             (blocks > 65535, "at most 65,535 query blocks"),
         )
         if bad
