@@ -11,8 +11,8 @@ runs (3.6 on the lent machines: ``pip install triton==3.6.0`` in a spare venv) t
     python benchmarks/inspect_sass.py --kv fp8,bf16 --head-dim 128 --configs 128/3/4,64/2/4
     python benchmarks/inspect_sass.py --kv fp8 --configs 128/3/4 --maxnreg 128 --json out.json
 
-A configuration is ``tile_n/num_stages/num_warps``; GQA group 4, 16-row M tile, page 16, two
-split-KV segments (what the decode launch of the benchmark shapes uses).
+A configuration is ``tile_n/num_stages/num_warps``; GQA group 4, 16-row M tile, page 16, the
+heads-first grid, two split-KV segments unless ``--segments`` says otherwise.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def load_kernels():
 
 
 def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int, arch: int,
-                   maxnreg: int | None = None, kv_heads: int = 1,
-                   v_pairs: bool = False) -> tuple[bytes, int]:  # fmt: skip
+                   maxnreg: int | None = None, kv_heads: int = 1, v_pairs: bool = False,
+                   segments: int = 2, first_blocks: bool = False) -> tuple[bytes, int]:  # fmt: skip
     """The cubin of ``paged_attention_kernel`` for one decode launch (bf16 queries) and its
     shared memory in bytes."""
     import triton
@@ -58,9 +58,10 @@ def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
     const = dict(
         BLOCK_SIZE=16, GROUP=4 * kv_heads, BLOCK_Q=4 // kv_heads, BLOCK_M=16, TILE_N=tile_n, D_PAD=head_dim,
         HEAD_DIM=head_dim, CAUSAL=True, USE_WINDOW=False, USE_SOFTCAP=False, USE_SINKS=False,
-        USE_ALIBI=False, NUM_SEGMENTS=2, IEEE_DOT=False, USE_K_SCALE=fp8, USE_V_SCALE=fp8,
+        USE_ALIBI=False, NUM_SEGMENTS=segments, IEEE_DOT=False, USE_K_SCALE=fp8, USE_V_SCALE=fp8,
         FP8_CACHE=fp8, FP8_BITS=False, FP8_MAN=3, FP8_BIAS=7, FP8_SUB_ULP=2.0**-9, F16_DOT=fp8,
-        KV_HEADS=kv_heads, V_PAIRS=fp8 and v_pairs, **{n: 1 for n in UNIT_STRIDES},
+        KV_HEADS=kv_heads, V_PAIRS=fp8 and v_pairs, FIRST_BLOCKS=first_blocks,
+        HEADS_FASTEST=True, **{n: 1 for n in UNIT_STRIDES},
     )  # fmt: skip
     pointers = {
         "q_ptr": "*bf16",
@@ -129,10 +130,20 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
 
 
 def inspect_config(kv: str, head_dim: int, tile_n: int, stages: int, warps: int, arch: int,
-                   maxnreg: int | None = None, kv_heads: int = 1,
-                   v_pairs: bool = False) -> dict:  # fmt: skip
+                   maxnreg: int | None = None, kv_heads: int = 1, v_pairs: bool = False,
+                   segments: int = 2, first_blocks: bool = False) -> dict:  # fmt: skip
     cubin, shared = compile_decode(
-        kv, head_dim, tile_n, stages, warps, arch, maxnreg, kv_heads, v_pairs
+        kv,
+        head_dim,
+        tile_n,
+        stages,
+        warps,
+        arch,
+        maxnreg,
+        kv_heads,
+        v_pairs,
+        segments,
+        first_blocks,
     )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -169,6 +180,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument(
         "--v-pairs", action="store_true", help="FP8: V read as int16 pairs (the kernel's V_PAIRS)"
     )
+    p.add_argument("--segments", type=int, default=2, help="split-KV segments (NUM_SEGMENTS)")
+    p.add_argument(
+        "--first-blocks",
+        action="store_true",
+        help="each sequence's first query block first (the kernel's FIRST_BLOCKS)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import triton
@@ -179,7 +196,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for config in args.configs.split(","):
             tile_n, stages, warps = (int(x) for x in config.split("/"))
             row = inspect_config(kv, args.head_dim, tile_n, stages, warps, args.arch, args.maxnreg,
-                                 args.kv_heads, args.v_pairs)  # fmt: skip
+                                 args.kv_heads, args.v_pairs, args.segments,
+                                 args.first_blocks)  # fmt: skip
             rows.append(row)
             top = ", ".join(f"{k} {v}" for k, v in list(row["opcodes"].items())[:8])
             print(f"{kv:>5} tile {tile_n:>3} stages {stages} warps {warps}: {row['registers']} "

@@ -72,7 +72,8 @@ def check_engine_against_hf(ref: torch.nn.Module, tol: float, **llm_kwargs: obje
     alone = llm.generate([prompts[2]], params)[0].token_ids
     mixed = llm.generate(prompts, [SamplingParams(temperature=1.0)] * 2 + [params] * 3)[2]
     assert alone == mixed.token_ids
-    del llm  # give the KV cache back before the next LLM sizes its own from free memory
+    llm.close()  # give the KV cache back before the next LLM sizes its own from free memory
+    del llm
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
@@ -124,6 +125,7 @@ def test_samples_logprobs_and_penalties_under_compile_graphs_and_overlap():
             for lp, token, row in zip(sample.logprobs, sample.token_ids, logp, strict=True):
                 assert lp.logprob == pytest.approx(row[token].item(), abs=2e-3)
                 assert [t for t, _ in lp.top] == row.topk(len(lp.top)).indices.tolist()
+    llm.close()
     del llm
     torch._dynamo.reset()
     gc.collect()

@@ -13,7 +13,6 @@ import torch
 from paged_testing import (
     PADDED_FEATURES,
     assert_matches_dense,
-    attend,
     dense_batch_f64,
     fp8_scales,
     make_batch,
@@ -241,80 +240,6 @@ def test_triton_decode_with_v_as_int16_pairs_matches_float64(dtype, kv_heads, gr
         batch, "triton", config=bytes_cfg, k_scale=k_scale, v_scale=v_scale, **kwargs
     )
     torch.testing.assert_close(out, out_bytes, rtol=1e-3, atol=1e-4)
-
-
-WARP_SPLIT_STEPS = {
-    "decode": [(0, 1), (5, 1), (63, 1), (64, 1), (200, 1), (0, 1)],  # ends mid-tile, at a tile end
-    "two_tokens": [(3, 2), (62, 2), (150, 2)],  # causal mask inside the block
-}
-
-
-@pytest.mark.parametrize("scales", ["head", "layer"])
-@pytest.mark.parametrize("step", sorted(WARP_SPLIT_STEPS))
-@pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("dtype", FP8)
-def test_warp_split_decode_matches_float64_and_the_unified_kernel(dtype, group, step, scales):
-    """``kernel="warp_split"`` (FP8 decode at D=128, forced: an experiment): each warp's running
-    softmax over its own KV positions, merged after the loop, matches float64 on the dequantized
-    cache (tight) and on the unquantized K/V (FP8's own error), and the unified kernel; padded
-    query rows are zeros."""
-    from paged_ops.backends import triton as tb
-
-    needs_triton("triton")
-    num_kv_heads = 2
-    base = make_batch(
-        WARP_SPLIT_STEPS[step], num_q_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
-        head_dim=128, block_size=16, dtype=torch.float16, pad_tokens=2, pad_seqs=1,
-        seed=group + len(step),
-    )  # fmt: skip
-    k_scale, v_scale = fp8_scales(scales, num_kv_heads)
-    batch = quantized_batch(base, dtype, k_scale, v_scale)
-    cfg = tb.LaunchConfig(
-        16, 16 // group, 64, 1, 2, 3, kernel="warp_split", heads_fastest=1, v_pairs=1
-    )  # two warps of 32 positions
-    out = write_and_attend(batch, "triton", config=cfg, k_scale=k_scale, v_scale=v_scale)
-    assert_matches_dense(out, batch, dense_batch_f64(batch, scale=128**-0.5), rtol=3e-3)
-    unquantized = dense_batch_f64(base, scale=128**-0.5)
-    assert_matches_dense(out, batch, unquantized, UNQUANTIZED_RTOL[dtype])
-    real = int(batch.cu_seqlens_q[-1])
-    assert (out[real:] == 0).all(), "padded query rows must be zeros"
-    unified = dataclasses.replace(cfg, kernel="unified", tile_n=128, num_warps=4, heads_fastest=1)
-    out_unified = attend(batch, "triton", config=unified, k_scale=k_scale, v_scale=v_scale)
-    torch.testing.assert_close(out, out_unified, rtol=2e-3, atol=2e-4)
-
-
-def test_warp_split_runs_only_when_forced_and_where_it_applies(monkeypatch):
-    """The launch rule never picks the warp-split kernel (an experiment, NOTES.md section 10); a
-    forced warp-split config where it cannot apply (softcap, a bad tile, two KV heads) is refused
-    with a ValueError before any kernel runs."""
-    from paged_ops.backends import triton as tb
-
-    needs_triton("triton")
-    launches = []
-    real = tb._warp_split_decode
-    monkeypatch.setattr(
-        tb, "_warp_split_decode", lambda *a, **k: launches.append(1) or real(*a, **k)
-    )
-    base = make_batch(
-        DECODE, num_q_heads=4, num_kv_heads=2, head_dim=128, block_size=16,
-        dtype=torch.float16, seed=9,
-    )  # fmt: skip
-    k_scale, v_scale = fp8_scales("head", 2)
-    batch = quantized_batch(base, E4M3, k_scale, v_scale)
-    out = write_and_attend(batch, "triton", k_scale=k_scale, v_scale=v_scale)
-    assert torch.isfinite(out).all() and not launches
-    forced = tb.LaunchConfig(16, 8, 64, 1, 2, 3, kernel="warp_split", heads_fastest=1, v_pairs=1)
-    forced_out = attend(batch, "triton", config=forced, k_scale=k_scale, v_scale=v_scale)
-    assert len(launches) == 1
-    torch.testing.assert_close(forced_out, out, rtol=2e-3, atol=2e-4)
-    with pytest.raises(ValueError, match="kernel='warp_split'.*plain causal"):
-        attend(batch, "triton", config=forced, k_scale=k_scale, v_scale=v_scale, softcap=30.0)
-    with pytest.raises(ValueError, match="tile_n = num_warps"):
-        attend(batch, "triton", config=dataclasses.replace(forced, tile_n=48),
-               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
-    with pytest.raises(ValueError, match="kv_heads"):
-        attend(batch, "triton", config=dataclasses.replace(forced, kv_heads=2, block_q=4),
-               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
 
 
 def test_v_pairs_is_fp8_decodes_default_and_refused_where_the_cache_does_not_fit():

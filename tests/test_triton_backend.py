@@ -307,6 +307,45 @@ def test_grid_with_kv_heads_fastest_gives_the_same_output(kv_heads):
     assert decode.heads_fastest == 1
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("num_segments", [1, 2])
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        MIXED,
+        # decode-like: one token, none (a finished sequence), two (a draft), nine (3 blocks of 4)
+        [(40, 1), (7, 0), (19, 2), (0, 1), (25, 9), (3, 1), (64, 1)],
+    ],
+)
+def test_first_blocks_layout_gives_the_same_output(seqs, num_segments, kv_heads):
+    """``first_blocks`` (decode launches) maps programs to query blocks in another order: each
+    sequence's first block, then the later blocks of long sequences. Every block is computed
+    once (bit-identical to the default layout, dense float64 agrees) and padded rows are zeroed."""
+    batch = make_batch(
+        seqs, num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=4, pad_tokens=3,
+        pad_seqs=2, seed=len(seqs),
+    )  # fmt: skip
+    block_q = 16 // (4 * kv_heads)
+    cfg = triton_backend.LaunchConfig(
+        16, block_q, 16, num_segments, 4, 2, kv_heads=kv_heads, heads_fastest=1
+    )
+    outs = [
+        run_triton(batch, config=dataclasses.replace(cfg, first_blocks=layout)) for layout in (0, 1)
+    ]
+    assert torch.equal(outs[0], outs[1])
+    assert_matches_dense(outs[1], batch, dense_batch_f64(batch, scale=32**-0.5), rtol=1e-5)
+    assert_padding_rows_zero(outs[1], batch)
+    decode = triton_backend.launch_config(
+        num_tokens=8, num_seqs=8, num_q_heads=8, num_kv_heads=2, head_dim=32, max_kv_len=64,
+        num_sms=132,
+    )  # fmt: skip
+    prefill = triton_backend.launch_config(
+        num_tokens=64, num_seqs=2, num_q_heads=8, num_kv_heads=2, head_dim=32, max_kv_len=64,
+        num_sms=132,
+    )  # fmt: skip
+    assert (decode.first_blocks, prefill.first_blocks) == (1, 0)
+
+
 def test_launch_config_splits_small_decode_batches_only():
     common = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, num_sms=132)
     small = triton_backend.launch_config(num_tokens=1, num_seqs=1, max_kv_len=16384, **common)
@@ -371,6 +410,13 @@ def test_plain_causal_prefill_steps_take_the_prefill_kernel_and_others_the_unifi
             batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
             scale=0.25, causal=True, window=4, softcap=0.0, sinks=None, alibi_slopes=None,
             config=cfg,
+        )  # fmt: skip
+    # a kernel name the backend does not have (the warp-split experiment was removed)
+    with pytest.raises(ValueError, match="kernel must be one of .*'warp_split'"):
+        triton_backend.paged_attention(
+            batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
+            scale=0.25, causal=True, window=0, softcap=0.0, sinks=None, alibi_slopes=None,
+            config=dataclasses.replace(cfg, kernel="warp_split"),
         )  # fmt: skip
 
 

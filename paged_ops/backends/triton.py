@@ -28,7 +28,6 @@ import triton
 
 from paged_ops.backends import LayerSpec
 from paged_ops.backends import triton_kernels as kernels
-from paged_ops.backends import triton_warp_split as warp_split
 from paged_ops.fp8 import fp8_format, is_fp8
 
 MAX_HEAD_DIM = 256
@@ -113,6 +112,9 @@ def _scale_stride(scale: torch.Tensor | None) -> int:
     return 0 if scale is None or scale.dim() == 0 else 1
 
 
+KERNELS = ("unified", "prefill")  # LaunchConfig.kernel
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Tiles and split of one attention launch, chosen from shapes only."""
@@ -123,8 +125,7 @@ class LaunchConfig:
     num_segments: int  # 1 = one pass; > 1 = split-KV + reduce
     num_warps: int
     num_stages: int
-    # "unified", "prefill" (plain causal prefill/mixed steps; see launch_config) or "warp_split"
-    # (plain causal FP8 decode, triton_warp_split.py: forced configs only, an experiment)
+    # "unified" or "prefill" (plain causal prefill/mixed steps; see launch_config)
     kernel: str = "unified"
     maxnreg: int | None = None  # register cap per thread (more programs per SM; unified kernel)
     kv_heads: int = 1  # KV heads per program (unified kernel): 2 pairs D=64 heads (FP8 decode)
@@ -135,6 +136,10 @@ class LaunchConfig:
     # size a power of two, unit-stride cache rows): 16-bit transposing loads instead of 8-bit
     # reads a byte at a time (kernels._fp8_pairs_to_float16)
     v_pairs: int = 0
+    # 1: the first S query blocks are each sequence's first block, later blocks after them
+    # (unified kernel; decode steps by default): a one-token-per-sequence step's
+    # working programs come first, with no empty ones among them (kernels._locate_query_block)
+    first_blocks: int = 0
 
 
 def parse_launch_overrides(spec: str) -> dict:
@@ -185,9 +190,6 @@ def launch_config(
     (masks only on the diagonal tiles, unpredicated loads): 64 x 64 tiles and 4 warps, or 128 x 128 and 8 warps when the step
     averages >= 1024 tokens per sequence; 2 stages (H200 sweep, benchmarks/NOTES.md section 11:
     4 x 2048 D=128 596 -> 409 us, 1 x 8192 2,331 -> 1,339 us).
-    The warp-split FP8 decode kernel (``kernel="warp_split"``) is never picked here: only a forced
-    config runs it (benchmarks/NOTES.md section 10: faster in its own harness, slower in
-    ``bench_attention.py``, not yet explained).
     """
     group = num_q_heads // num_kv_heads
     decode_like = num_tokens <= 2 * num_seqs
@@ -245,7 +247,8 @@ def launch_config(
     # D=128 (NOTES.md section 10)
     return LaunchConfig(block_m, block_q, tile_n, num_segments, num_warps, num_stages,
                         maxnreg=maxnreg, kv_heads=kv_heads,
-                        heads_fastest=int(decode_like), v_pairs=int(fp8_decode))  # fmt: skip
+                        heads_fastest=int(decode_like), v_pairs=int(fp8_decode),
+                        first_blocks=int(decode_like))  # fmt: skip
 
 
 def _fp8_decode_segments(programs: int, kv_tiles: int, at_least: int, slots: int) -> int:
@@ -326,6 +329,8 @@ def paged_attention(
         plain_causal=plain_causal,
     )
     group = num_q_heads // num_kv_heads
+    if cfg.kernel not in KERNELS:
+        raise ValueError(f"{cfg}: kernel must be one of {KERNELS}, got {cfg.kernel!r}")
     if (
         cfg.kv_heads < 1
         or num_kv_heads % cfg.kv_heads
@@ -333,7 +338,7 @@ def paged_attention(
     ):
         raise ValueError(
             f"{cfg}: kv_heads must divide num_kv_heads={num_kv_heads} (and be 1 for the "
-            "prefill and warp-split kernels)"
+            "prefill kernel)"
         )
     rows_per_token = group * cfg.kv_heads
     if cfg.block_q < 1 or cfg.block_q * rows_per_token > cfg.block_m:
@@ -372,13 +377,6 @@ def paged_attention(
         _scale_stride(k_scale),
         _scale_stride(v_scale),
     )
-    if cfg.kernel == "warp_split":
-        _warp_split_decode(
-            out, query, kv_cache, cache_arg, pairs_arg, cu_seqlens_q, seq_lens, block_table,
-            scale_args, float(scale), cfg, fp8_args, plain_causal=plain_causal,
-            pairs_fit=pairs_fit,
-        )  # fmt: skip
-        return out
     if cfg.kernel == "prefill":  # (a forced config may ask for it where it does not apply)
         if not plain_causal:
             raise ValueError(
@@ -475,6 +473,7 @@ def paged_attention(
         KV_HEADS=cfg.kv_heads,
         HEADS_FASTEST=heads_fastest,
         V_PAIRS=bool(cfg.v_pairs),
+        FIRST_BLOCKS=bool(cfg.first_blocks),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
@@ -498,74 +497,3 @@ def paged_attention(
             num_warps=4,
         )
     return out
-
-
-def _warp_split_decode(
-    out: torch.Tensor,  # [T, Hq, D]
-    query: torch.Tensor,  # [T, Hq, D]
-    kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D] FP8
-    cache_arg: torch.Tensor,  # kv_cache, or its uint8 view under the interpreter
-    pairs_arg: torch.Tensor,  # [N, 2, B, Hkv, D / 2] its int16 view
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale_args: tuple,
-    scale: float,
-    cfg: LaunchConfig,
-    fp8_args: dict,
-    *,
-    plain_causal: bool,
-    pairs_fit: bool,
-) -> None:
-    """Launch ``warp_split_decode_kernel`` (checks a forced config first)."""
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_seqs, num_kv_heads = seq_lens.shape[0], kv_cache.shape[3]
-    group = num_q_heads // num_kv_heads
-    sub = cfg.tile_n // max(cfg.num_warps, 1)
-    blocks = num_tokens // cfg.block_q + num_seqs + 1
-    problems = [
-        why
-        for bad, why in (
-            (not plain_causal, "plain causal attention (no window, softcap, sinks or ALiBi)"),
-            (not pairs_fit, "an FP8 cache the int16 pairs view reads (unit-stride rows, even "
-             "strides, a power-of-two head size) and 16-bit queries"),
-            # (kv_heads == 1 and the GQA fit are checked by paged_attention for every kernel)
-            (cfg.num_segments != 1, "one segment"),
-            (cfg.tile_n != sub * cfg.num_warps or sub < 16 or sub & (sub - 1),
-             "tile_n = num_warps x a power of two >= 16"),
-            (cfg.block_m < 16, "block_m >= 16"),
-            (blocks > 65535, "at most 65,535 query blocks"),
-        )
-        if bad
-    ]  # fmt: skip
-    if problems:
-        raise ValueError(f"{cfg} (kernel='warp_split') needs " + "; ".join(problems))
-    warp_split.warp_split_decode_kernel[(num_kv_heads, blocks)](
-        out,
-        query,
-        cache_arg,
-        pairs_arg,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        *scale_args,
-        scale,
-        num_seqs,
-        num_tokens,
-        out.stride(0),
-        out.stride(1),
-        *query.stride(),
-        *kv_cache.stride()[:4],
-        block_table.stride(0),
-        BLOCK_SIZE=kv_cache.shape[2],
-        GROUP=group,
-        BLOCK_Q=cfg.block_q,
-        BLOCK_M=cfg.block_m,
-        W=cfg.num_warps,
-        SUB=sub,
-        D=head_dim,
-        **{k: v for k, v in fp8_args.items() if k not in ("FP8_CACHE", "F16_DOT")},
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-    )

@@ -229,11 +229,13 @@ def write_kv_kernel(
 
 
 @triton.jit
-def _find_seq(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
-    """Largest ``s`` with ``cu[s] // BLOCK_Q + s <= target`` (the sequence of query block target).
+def _find_seq(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr, PLUS_S: tl.constexpr = 1):
+    """Largest ``s`` with ``cu[s] // BLOCK_Q + PLUS_S * s <= target``.
 
-    The starts ``cu[s] // BLOCK_Q + s`` increase strictly with ``s``, so the answer is the number of
-    starts <= target, minus one. A binary search narrows ``[lo, hi)`` to at most ``SCAN`` sequences
+    With ``PLUS_S`` 1 these are the query blocks' starts (the sequence of query block target);
+    with 0, the starts of the blocks after each sequence's first (``_locate_query_block`` with
+    ``FIRST_BLOCKS``). Either key is non-decreasing in ``s``, so the answer is the number of keys
+    <= target, minus one. A binary search narrows ``[lo, hi)`` to at most ``SCAN`` sequences
     (nothing to do for steps of <= SCAN sequences), then one vector load counts the rest: one
     dependent memory round trip instead of log2(S) for every program of a decode step.
     """
@@ -241,14 +243,14 @@ def _find_seq(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
     hi = num_seqs
     while hi - lo > SCAN:
         mid = (lo + hi) // 2
-        start = tl.load(cu_ptr + mid) // BLOCK_Q + mid
+        start = tl.load(cu_ptr + mid) // BLOCK_Q + PLUS_S * mid
         if start <= target:
             lo = mid + 1
         else:
             hi = mid
     s = lo + tl.arange(0, SCAN)  # [SCAN] candidate sequences
     valid = s < hi
-    starts = tl.load(cu_ptr + s, mask=valid, other=0) // BLOCK_Q + s
+    starts = tl.load(cu_ptr + s, mask=valid, other=0) // BLOCK_Q + PLUS_S * s
     return lo + tl.sum((valid & (starts <= target)).to(tl.int32), 0) - 1
 
 
@@ -268,13 +270,36 @@ def _zero_spare_rows(
 
 
 @triton.jit
-def _locate_query_block(cu_ptr, seq_lens_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+def _locate_query_block(
+    cu_ptr, seq_lens_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr, FIRST_BLOCKS: tl.constexpr = False
+):
     """Program ``pid``'s sequence, its query start and length, the block's index inside it and
-    the sequence's KV length."""
-    seq = _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q)
-    q_start = tl.load(cu_ptr + seq)
+    the sequence's KV length.
+
+    The grid has ``T // BLOCK_Q + S + 1`` query blocks, more than the step's ``sum_s
+    ceil(q_len_s / BLOCK_Q)``; the programs past ``cu[S] // BLOCK_Q + S`` are spare (they zero
+    the padded query rows), the others without a block return at once. Two layouts:
+    - default: sequence ``s``'s blocks start at ``cu[s] // BLOCK_Q + s`` (in order);
+    - ``FIRST_BLOCKS`` (decode steps): programs ``[0, S)`` take each sequence's first block, and
+      block ``j >= 1`` of sequence ``s`` is program ``S + cu[s] // BLOCK_Q + j - 1`` (these
+      ranges never overlap: ``cu[s+1] // BLOCK_Q - cu[s] // BLOCK_Q >= ceil(q_len_s / BLOCK_Q) -
+      1``). A decode step's working programs are then the grid's first ``S`` blocks, with no
+      empty ones among them: the default layout leaves every ``(BLOCK_Q + 1)``-th block of a
+      one-token-per-sequence step empty, and where the whole grid fits on the GPU at once, the
+      SMs that get no empty program run more working programs than the rest (a program that
+      fits five per SM: 148 -> 237 us at 64 x 4096, H200; benchmarks/NOTES.md section 10).
+    """
+    if FIRST_BLOCKS:
+        first = pid < num_seqs
+        later = pid - num_seqs  # (branch-free: a branch here costs the loop registers)
+        seq = tl.where(first, pid, _find_seq(cu_ptr, later, num_seqs, BLOCK_Q, 0))
+        q_start = tl.load(cu_ptr + seq)
+        local = tl.where(first, 0, later - q_start // BLOCK_Q + 1)
+    else:
+        seq = _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q)
+        q_start = tl.load(cu_ptr + seq)
+        local = pid - (q_start // BLOCK_Q + seq)  # query block index inside the sequence
     q_len = tl.load(cu_ptr + seq + 1) - q_start
-    local = pid - (q_start // BLOCK_Q + seq)  # query block index inside the sequence
     kv_len = tl.load(seq_lens_ptr + seq)
     return seq, q_start, q_len, local, kv_len
 
@@ -376,6 +401,7 @@ def paged_attention_kernel(
     KV_HEADS: tl.constexpr = 1,  # KV heads per program (GROUP covers all their query heads)
     HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, query blocks, segments)
     V_PAIRS: tl.constexpr = False,  # F16_DOT, HEAD_DIM == D_PAD, unit stride: V as int16 pairs
+    FIRST_BLOCKS: tl.constexpr = False,  # each sequence's first query block first (decode)
 ):
     if HEADS_FASTEST:  # programs of one query block's heads run together (they read the same pages)
         pid = tl.program_id(1)
@@ -414,7 +440,7 @@ def paged_attention_kernel(
         return
 
     seq, q_start, q_len, local, kv_len = _locate_query_block(
-        cu_ptr, seq_lens_ptr, pid, num_seqs, BLOCK_Q
+        cu_ptr, seq_lens_ptr, pid, num_seqs, BLOCK_Q, FIRST_BLOCKS
     )
     if local * BLOCK_Q >= q_len:
         return
