@@ -155,11 +155,12 @@ def decode_candidates(
     """Decode candidates (FP8 sweep; bf16 with ``--sweep-kinds decode,pairs``): ``tiles`` wide, 2 or 3
     stages, each register cap of ``caps`` (None: uncapped; 128: four programs per SM at 4 warps;
     168: three), each of ``warps`` warps per program, ``kv_heads`` KV heads per program,
-    ``v_pairs`` (FP8: V read as int16 pairs, the default since run 7); heads-first grid, as the
-    default decode launch (sweeps 9-12 ran the candidates without it: ~1.2% slower at 256 x 4096).
+    ``v_pairs`` (FP8: V read as int16 pairs, the default since run 7); heads-first grid and
+    first-blocks layout, as the default decode launch (sweeps 9-12 ran the candidates without the
+    heads-first grid: ~1.2% slower at 256 x 4096).
     (5 stages, tried in sweeps 6-7 to keep two K/V tiles in flight, never won: dropped.)"""
     block_q = 16 // (group * kv_heads)
-    fields = dict(kv_heads=kv_heads, heads_fastest=1, v_pairs=v_pairs)
+    fields = dict(kv_heads=kv_heads, heads_fastest=1, v_pairs=v_pairs, first_blocks=1)
     return [
         tb.LaunchConfig(16, block_q, tn, ns, w, st, maxnreg=cap, **fields)
         for tn, ns, st, cap, w in itertools.product(tiles, nsegs, [2, 3], caps, warps)
@@ -204,9 +205,10 @@ def sweep(
         elif fp8 and name.startswith("decode"):
             segs = list(splits or sorted({1, 2, nseg}))
             configs = [default, *decode_candidates(group, segs, 1, 1, caps, warps, tiles)]
-        else:
+        else:  # decode candidates take the default decode launch's grid order and layout
+            grid = dict(heads_fastest=1, first_blocks=1) if name.startswith("decode") else {}
             configs = [
-                tb.LaunchConfig(bm, bm // group, tn, ns, w, st)
+                tb.LaunchConfig(bm, bm // group, tn, ns, w, st, **grid)
                 for bm, tn, w, st, ns in itertools.product(
                     block_ms, tile_ns, grid_warps, stages, nsegs
                 )
