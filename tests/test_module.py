@@ -1,6 +1,9 @@
 """MetadataBuilder padding and static buffers; PagedAttention end to end on the reference backend."""
 
+import gc
 import random
+import types
+import weakref
 
 import pytest
 import torch
@@ -151,6 +154,34 @@ def test_steps_with_padding_queries_skip_planned_backends():
     assert pa.padding_backends == ["reference"] and torch.equal(out[:3], torch.zeros(3, 4, 16))
     pa.use_step(pa.builder.build([SequenceSlice([0], 0, 2)]), key="hf")
     assert len(plans) == 1
+
+
+def test_planner_states_go_with_their_paged_attention(monkeypatch):
+    """The plan-state registry holds each host-planned backend's planner (FlashInfer's, with its
+    workspaces); a PagedAttention dropped without being unbound (an LLM or model deleted without
+    close()) takes its planners with it."""
+    from paged_ops import backends
+    from paged_ops.backends import by_step
+
+    def make_planner(owner, cfg):  # FlashInfer's make_planner, minus the CUDA buffers
+        planner = types.SimpleNamespace(handle=-1)
+        planner.handle = backends.register_plan_state(planner)
+        return planner
+
+    real = by_step.get_backend
+    fake = types.SimpleNamespace(make_planner=make_planner)
+    monkeypatch.setattr(by_step, "get_backend", lambda n: fake if n == "reference" else real(n))
+    layers = [LayerConfig(), LayerConfig(sliding_window=8)]  # two groups: two planners
+    pa = PagedAttention(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, num_blocks=8,
+                        block_size=4, max_model_len=16, layers=layers, backend="reference")  # fmt: skip
+    handles = [planner.handle for planner in pa.planners]
+    assert len(handles) == 2
+    assert all(backends.get_plan_state(h) is p for h, p in zip(handles, pa.planners, strict=True))
+    alive = weakref.ref(pa)
+    del pa
+    gc.collect()
+    assert alive() is None
+    assert not any(h in backends._PLAN_STATES for h in handles), "a dropped PA left its planners"
 
 
 def _expected_step(seqs, bs, num_tokens, num_seqs, width):

@@ -16,6 +16,7 @@ are captured from decode steps and replayed for decode steps only.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +69,11 @@ class _Group:
         return name, -1 if planner is None else planner.handle
 
 
+def _release_handles(handles: tuple[int, ...]) -> None:
+    for handle in handles:
+        release_plan_state(handle)
+
+
 class LayerRouting:
     """Which backend each layer of ``owner`` (a PagedAttention) runs, per step kind.
 
@@ -112,6 +118,10 @@ class LayerRouting:
             route = (BY_STEP, group.router.handle) if group.router else group.route("decode")
             for i in group.layers:
                 self.layer_routes[i] = route
+        # The registry holds the states strongly and nothing in them refers back to ``owner``:
+        # when ``owner`` goes (an LLM or model dropped without close() / unpatch), so do they,
+        # with their buffers (FlashInfer's workspaces, pinned staging, plans).
+        weakref.finalize(owner, _release_handles, tuple(s.handle for s in self._states()))
 
     def _states(self) -> list[Any]:
         """The registered states: every planner and router (each has its ``handle``)."""
