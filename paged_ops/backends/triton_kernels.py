@@ -284,10 +284,11 @@ def _locate_query_block(
       block ``j >= 1`` of sequence ``s`` is program ``S + cu[s] // BLOCK_Q + j - 1`` (these
       ranges never overlap: ``cu[s+1] // BLOCK_Q - cu[s] // BLOCK_Q >= ceil(q_len_s / BLOCK_Q) -
       1``). A decode step's working programs are then the grid's first ``S`` blocks, with no
-      empty ones among them: the default layout leaves every ``(BLOCK_Q + 1)``-th block of a
-      one-token-per-sequence step empty, and where the whole grid fits on the GPU at once, the
-      SMs that get no empty program run more working programs than the rest (a program that
-      fits five per SM: 148 -> 237 us at 64 x 4096, H200; benchmarks/NOTES.md section 10).
+      empty ones among them, where the default layout leaves every ``(BLOCK_Q + 1)``-th block
+      of a one-token-per-sequence step empty. That costs most where the whole grid is resident
+      at once (a decode program that fits five per SM: 148 us with the empty blocks at the end,
+      237 us interleaved, 64 x 4096, H200), ~0.3% for the unified FP8 kernel (H100;
+      benchmarks/NOTES.md section 10).
     """
     if FIRST_BLOCKS:
         first = pid < num_seqs
