@@ -15,6 +15,7 @@ against the bf16-cache output of the same backend, ``||o_fp8 - o_bf16|| / ||o_bf
 
     python benchmarks/bench_attention.py [--quick] [--out benchmarks/results/attention.json]
     python benchmarks/bench_attention.py --fp8-only --out fp8.json     # just the FP8 comparison
+    python benchmarks/bench_attention.py --fp8-only --fp8-rounds 5 ...   # 5 alternating rounds
     TRITON_INTERPRET=1 python benchmarks/bench_attention.py --device cpu --dtype float16 \\
         --fp8-only --fp8-shapes 2x64 --fp8-head-dims 64 --calls 1 --repeats 1   # CPU smoke test
 """
@@ -328,6 +329,27 @@ def measure_kv(
     return row, out
 
 
+def _median_row(rounds: list[dict]) -> dict:
+    """One row for a (backend, cache dtype) timed in several rounds: the median time (and its
+    bandwidth), every round's time in ``us_rounds``."""
+    row = dict(rounds[0])
+    times = [r["us"] for r in rounds]
+    row["us"] = statistics.median(times)
+    row["kv_tb_per_s"] = row["kv_bytes"] / (row["us"] * 1e-6) / 1e12
+    row["us_rounds"] = times
+    return row
+
+
+def _round_ratio(slow: dict, fast: dict) -> float:
+    """``slow``'s time over ``fast``'s: the median of the per-round ratios (each round times both
+    back to back, so a drift between rounds cancels)."""
+    if len(slow["us_rounds"]) != len(fast["us_rounds"]):  # (a round that failed for one)
+        return slow["us"] / fast["us"]
+    return statistics.median(
+        a / b for a, b in zip(slow["us_rounds"], fast["us_rounds"], strict=True)
+    )
+
+
 def fp8_suite(
     cases: list[dict],
     backends: list[str],
@@ -341,39 +363,54 @@ def fp8_suite(
     per_head = args.fp8_scales == "head"
     fp8_rows: list[dict] = []
     for n, case in enumerate(cases):
-        case_rows, outputs = [], {}
+        outputs: dict = {}
+        timed: dict[tuple[str, str], list[dict]] = {}  # (backend, kv dtype) -> a row per round
         k, v = kv_source(case, seed=args.seed + n)
         fill = writer(k, v, case["kv"], per_head)
-        for backend in backends:
-            if backend == "reference" and (sum(case["kv"]) > 8 * 4096 or not args.fp8_reference):
-                continue  # the reference backend is a readable ground truth, not a contender
-            for kv_dtype in kv_dtypes:
-                c = dict(case)
-                # the same query and block layout for every backend and cache dtype of a case
-                c["query_generator"] = torch.Generator(device=DEVICE).manual_seed(args.seed + n)
-                c["perm_generator"] = torch.Generator().manual_seed(args.seed + n)
-                label = f"{backend} {KV_NAMES[kv_dtype]} decode D={case['D']} " + (
-                    f"{len(case['q'])} x {max(case['kv'])}"
-                )
-                try:
-                    r, out = measure_kv(backend, c, kv_dtype, fill, args.calls, args.repeats,
-                                        per_head)  # fmt: skip
-                except Exception as e:  # a backend that cannot serve a case: say so, go on
-                    error = f"{type(e).__name__}: {e}"[:300]
-                    skipped.append(dict(suite="fp8", backend=backend, kind="decode", D=case["D"],
-                                        batch=len(case["q"]), context=max(case["kv"]),
-                                        kv_dtype=KV_NAMES[kv_dtype], error=error))  # fmt: skip
-                    print(f"skip {label}: {error}", flush=True)
-                    empty_cache()
-                    continue
-                outputs[backend, kv_dtype] = out
-                case_rows.append(r)
-                print(f"fp8-suite D={r['D']:<3} {r['batch']:>4} x {r['context']:<6} "
-                      f"{backend:10} {r['kv_dtype']:9} {r['us']:9.1f} us  "
-                      f"{r['kv_tb_per_s']:5.2f} TB/s  (prepare {r['host_prepare_ms']:.2f} ms)",
-                      flush=True)  # fmt: skip
+        runs = [
+            (backend, kv_dtype)
+            for backend in backends
+            if not (
+                backend == "reference" and (sum(case["kv"]) > 8 * 4096 or not args.fp8_reference)
+            )
+            for kv_dtype in kv_dtypes
+        ]  # (the reference backend is a readable ground truth, not a contender)
+        # rounds alternate the order, so neither backend is always timed first or last
+        order = [
+            r for rnd in range(args.fp8_rounds) for r in (runs if rnd % 2 == 0 else runs[::-1])
+        ]
+        failed: set[tuple[str, torch.dtype]] = set()
+        for backend, kv_dtype in order:
+            if (backend, kv_dtype) in failed:
+                continue
+            c = dict(case)
+            # the same query and block layout for every backend and cache dtype of a case
+            c["query_generator"] = torch.Generator(device=DEVICE).manual_seed(args.seed + n)
+            c["perm_generator"] = torch.Generator().manual_seed(args.seed + n)
+            label = f"{backend} {KV_NAMES[kv_dtype]} decode D={case['D']} " + (
+                f"{len(case['q'])} x {max(case['kv'])}"
+            )
+            try:
+                r, out = measure_kv(backend, c, kv_dtype, fill, args.calls, args.repeats,
+                                    per_head)  # fmt: skip
+            except Exception as e:  # a backend that cannot serve a case: say so, go on
+                error = f"{type(e).__name__}: {e}"[:300]
+                skipped.append(dict(suite="fp8", backend=backend, kind="decode", D=case["D"],
+                                    batch=len(case["q"]), context=max(case["kv"]),
+                                    kv_dtype=KV_NAMES[kv_dtype], error=error))  # fmt: skip
+                print(f"skip {label}: {error}", flush=True)
+                failed.add((backend, kv_dtype))
+                empty_cache()
+                continue
+            outputs.setdefault((backend, kv_dtype), out)
+            timed.setdefault((backend, KV_NAMES[kv_dtype]), []).append(r)
+            print(f"fp8-suite D={r['D']:<3} {r['batch']:>4} x {r['context']:<6} "
+                  f"{backend:10} {r['kv_dtype']:9} {r['us']:9.1f} us  "
+                  f"{r['kv_tb_per_s']:5.2f} TB/s  (prepare {r['host_prepare_ms']:.2f} ms)",
+                  flush=True)  # fmt: skip
         del k, v, fill
         empty_cache()
+        case_rows = [_median_row(rounds) for rounds in timed.values()]
         # errors: vs the bf16 cache of the same backend, and vs triton's bf16-cache output
         by_key = {(r["backend"], r["kv_dtype"]): r for r in case_rows}
         base = KV_NAMES[DTYPE]
@@ -387,11 +424,20 @@ def fp8_suite(
             r["rel_err_vs_triton_bf16_cache"] = rel_err(out, tri) if tri is not None else None
         for r in case_rows:
             own_base = by_key.get((r["backend"], base))
-            r["speedup_vs_own_bf16"] = own_base["us"] / r["us"] if own_base else None
+            r["speedup_vs_own_bf16"] = _round_ratio(own_base, r) if own_base else None
             fi = by_key.get(("flashinfer", r["kv_dtype"]))
             r["speedup_vs_flashinfer_same_kv"] = (
-                fi["us"] / r["us"] if fi and r["backend"] != "flashinfer" else None
+                _round_ratio(fi, r) if fi and r["backend"] != "flashinfer" else None
             )
+            if (
+                fi
+                and r["backend"] != "flashinfer"
+                and len(r["us_rounds"]) > 1
+                and len(r["us_rounds"]) == len(fi["us_rounds"])
+            ):
+                r["speedup_vs_flashinfer_rounds"] = [
+                    a / b for a, b in zip(fi["us_rounds"], r["us_rounds"], strict=True)
+                ]
         rows += case_rows
         fp8_rows += case_rows
         save()
@@ -424,6 +470,13 @@ def print_fp8_table(fp8_rows: list[dict]) -> None:
                   f"{fmt(fi and fi['speedup_vs_own_bf16'], '.2f', 10)} "
                   f"{fmt(tri and tri['rel_err_vs_bf16_cache'], '.2e', 11)} "
                   f"{fmt(fi and fi['rel_err_vs_bf16_cache'], '.2e', 9)}")  # fmt: skip
+    rounds = [r for r in fp8_rows if "speedup_vs_flashinfer_rounds" in r]
+    if rounds:
+        print("\n# triton / FlashInfer per round (median above; the rounds alternate the order)")
+        for r in rounds:
+            each = " ".join(f"{x:.3f}" for x in r["speedup_vs_flashinfer_rounds"])
+            shape = f"{r['batch']} x {r['context']}"
+            print(f"{r['D']:>4} {shape:>13} {r['kv_dtype']:>9} {r['backend']:>7}: {each}")
 
 
 def parse_kv_dtypes(names: str) -> list[torch.dtype]:
@@ -478,6 +531,10 @@ def main() -> None:
     parser.add_argument("--triton-fp8-override", default=None,
                         help="LaunchConfig fields for every triton launch on an FP8 cache, e.g. "
                              "num_stages=2,maxnreg=128 (an experiment, NOTES.md section 10)")  # fmt: skip
+    parser.add_argument("--fp8-rounds", type=int, default=1,
+                        help="FP8 rows: time every backend x cache dtype this many times, "
+                             "alternating the order; rows report the median time and the "
+                             "median of the per-round speedups")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="cuda; cpu = smoke test (interpreter)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
@@ -504,6 +561,7 @@ def main() -> None:
                     repeats=args.repeats,
                     kv_dtypes=[KV_NAMES[d] for d in kv_dtypes] if run_fp8 else None,
                     fp8_scales=args.fp8_scales if run_fp8 else None,
+                    fp8_rounds=args.fp8_rounds if run_fp8 else None,
                     triton_fp8_override=fp8_override,
                     fp8_kv_data="randn x per-KV-head factor 2**linspace(-1, 1); scale = amax / "
                                 "(fp8_max / 2)" if run_fp8 else None)  # fmt: skip
