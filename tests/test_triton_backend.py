@@ -294,17 +294,25 @@ def test_grid_with_kv_heads_fastest_gives_the_same_output(kv_heads):
         pad_seqs=1, seed=11,
     )  # fmt: skip
     cfg = triton_backend.LaunchConfig(16, 16 // (4 * kv_heads), 16, 2, 4, 2, kv_heads=kv_heads)
-    outs = [
-        run_triton(batch, config=dataclasses.replace(cfg, heads_fastest=order)) for order in (0, 1)
-    ]
+    assert_program_order_is_invisible(batch, cfg, "heads_fastest")
+    assert small_launch(num_tokens=8, num_seqs=8).heads_fastest == 1
+
+
+def assert_program_order_is_invisible(batch, cfg, field: str) -> None:
+    """``cfg`` with LaunchConfig ``field`` 0 and 1 (the same programs in another order): the
+    outputs are bit-identical, match dense float64 and zero the padded rows."""
+    outs = [run_triton(batch, config=dataclasses.replace(cfg, **{field: v})) for v in (0, 1)]
     assert torch.equal(outs[0], outs[1])
     assert_matches_dense(outs[1], batch, dense_batch_f64(batch, scale=32**-0.5), rtol=1e-5)
     assert_padding_rows_zero(outs[1], batch)
-    decode = triton_backend.launch_config(
-        num_tokens=8, num_seqs=8, num_q_heads=8, num_kv_heads=2, head_dim=32, max_kv_len=64,
-        num_sms=132,
+
+
+def small_launch(num_tokens: int, num_seqs: int):
+    """The default launch of a step of the Hq=8, Hkv=2, D=32 layers these grid tests use."""
+    return triton_backend.launch_config(
+        num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=8, num_kv_heads=2, head_dim=32,
+        max_kv_len=64, num_sms=132,
     )  # fmt: skip
-    assert decode.heads_fastest == 1
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
@@ -329,20 +337,11 @@ def test_first_blocks_layout_gives_the_same_output(seqs, num_segments, kv_heads)
     cfg = triton_backend.LaunchConfig(
         16, block_q, 16, num_segments, 4, 2, kv_heads=kv_heads, heads_fastest=1
     )
-    outs = [
-        run_triton(batch, config=dataclasses.replace(cfg, first_blocks=layout)) for layout in (0, 1)
-    ]
-    assert torch.equal(outs[0], outs[1])
-    assert_matches_dense(outs[1], batch, dense_batch_f64(batch, scale=32**-0.5), rtol=1e-5)
-    assert_padding_rows_zero(outs[1], batch)
-    decode = triton_backend.launch_config(
-        num_tokens=8, num_seqs=8, num_q_heads=8, num_kv_heads=2, head_dim=32, max_kv_len=64,
-        num_sms=132,
-    )  # fmt: skip
-    prefill = triton_backend.launch_config(
-        num_tokens=64, num_seqs=2, num_q_heads=8, num_kv_heads=2, head_dim=32, max_kv_len=64,
-        num_sms=132,
-    )  # fmt: skip
+    assert_program_order_is_invisible(batch, cfg, "first_blocks")
+    decode, prefill = (
+        small_launch(num_tokens=8, num_seqs=8),
+        small_launch(num_tokens=64, num_seqs=2),
+    )
     assert (decode.first_blocks, prefill.first_blocks) == (1, 0)
 
 
