@@ -141,6 +141,18 @@ def test_a_compiled_llm_frees_its_cache_on_close_or_del(base, aot_eager, end):
     assert [ref() for ref in refs] == [None, None], "Dynamo's cache kept the KV cache alive"
 
 
+def test_an_llm_dropped_with_its_model_frees_the_cache_at_the_first_collection(base):
+    """``del llm`` of an LLM that holds the only reference to its model: one ``gc.collect()``
+    frees the KV cache (a cycle through the PagedAttention's routing once needed a second pass,
+    so ``del llm; gc.collect(); torch.cuda.empty_cache()`` left the cache allocated)."""
+    llm = LLM(copy.deepcopy(base), **OPTS)
+    tokens(llm)
+    refs = cache_refs(llm)
+    del llm
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]
+
+
 def test_closing_one_compiled_llm_leaves_another_compiled(base, aot_eager):
     want = tokens(LLM(copy.deepcopy(base), **OPTS))  # eager
     first = LLM(copy.deepcopy(base), **OPTS, compile=True)

@@ -86,7 +86,10 @@ class LayerRouting:
     def __init__(
         self, owner: Any, backend: str, specs: Sequence[LayerSpec], configs: Sequence[Any]
     ) -> None:
-        self.owner, self.device = owner, owner.kv_cache.device
+        # weak: ``owner`` holds this routing, and a cycle would keep its KV cache alive until a
+        # second gc pass after the model that held ``owner`` is collected
+        self._owner = weakref.ref(owner)
+        self.device = owner.kv_cache.device
         members: dict[Any, list[int]] = {}
         for i, cfg in enumerate(configs):
             members.setdefault(cfg, []).append(i)
@@ -191,14 +194,16 @@ class LayerRouting:
 
         if capturing():
             return  # the policy stays triton for now; the next step outside a capture decides
+        owner = self._owner()
+        assert owner is not None, "the PagedAttention of a routing in use is alive"
         group.policy = measure_policy(
             group.spec,
             self.device,
             num_layers=len(group.layers),
             planners=group.planners,
-            block_size=self.owner.block_size,
-            max_num_seqs=self.owner.builder.max_num_seqs,
-            max_blocks_per_seq=self.owner.builder.max_blocks_per_seq,
+            block_size=owner.block_size,
+            max_num_seqs=owner.builder.max_num_seqs,
+            max_blocks_per_seq=owner.builder.max_blocks_per_seq,
         )
         if group.router is not None:
             group.router.choices = {kind: group.route(kind) for kind in STEP_KINDS}
