@@ -34,6 +34,7 @@ OP_CLASSES = (
                    "flashinfer", "MergeStates", "PersistentVariableLength")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitK", "gemv", "small_linear",
                 "linear_kernel")),
+    ("collective", ("nccl", "AllReduce", "AllGather", "Broadcast", "all_reduce", "all_gather")),
     ("copy_fill", ("Memcpy", "Memset", "memcpy", "memset", "copy", "fill", "elementwise")),
 )  # fmt: skip
 

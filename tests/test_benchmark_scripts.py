@@ -97,3 +97,25 @@ def test_inspect_sass_counts_the_decode_kernels_tile_loop_offline(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["v_pairs"] and row["opcodes"].get("PRMT", 0) > 0 and row["opcodes"]["HMMA"] > 0
+
+
+def test_bench_tp_prepares_runs_and_compares_greedy_tokens(tmp_path):
+    """One process (TP=1) on the tiny shape: the weights folder, a run, and --compare of the run
+    with itself (every prompt identical, ratio 1.0)."""
+
+    def bench_tp(*args: str) -> str:
+        cmd = [sys.executable, str(BENCH / "bench_tp.py"), "--shape", "tiny", *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    bench_tp("--prepare", str(tmp_path / "weights"))
+    out = tmp_path / "tp1.json"
+    bench_tp("--weights", str(tmp_path / "weights"), "--batches", "1,2", "--new-tokens", "4",
+             "--check-tokens", "5", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 1 and [r["batch"] for r in result["rows"]] == [1, 2]
+    assert len(result["check_tokens"]) == 8 and all(len(t) == 5 for t in result["check_tokens"])
+    assert all(len(top) == 2 for lps in result["check_logprobs"] for _, top in lps)
+    printed = bench_tp("--compare", str(out), str(out))
+    assert "identical on 8 of 8 prompts" in printed and "1.00x" in printed
