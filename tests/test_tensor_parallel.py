@@ -145,6 +145,9 @@ def test_compiled_forward_holds_the_all_reduces_and_does_not_recompile(ranks, si
         assert got["tokens"] == single["greedy"] + single["greedy"][1:3]
         assert got["graphs"] == 1  # fullgraph: prefill, mixed and decode in one graph
         assert any("all_reduce" in op for op in got["collectives"]), got["collectives"]
+        # the local shards of q/k/v and of gate/up are stacked and each group is one matmul:
+        # 2 layers x (2 + 1) linear calls removed, as for the whole model in one process
+        assert got["fused"] == dict(removed=6, adjacent=True, weight_type="DTensor")
 
 
 @needs_gloo

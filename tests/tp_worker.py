@@ -93,8 +93,19 @@ def compiled(root: Path, rank: int) -> dict[str, Any]:
     ):
         out = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
         out += tokens(llm.generate(PROMPTS[1:3], GREEDY, use_tqdm=False))
+        attn = llm.model.model.layers[0].self_attn
+        local = [getattr(attn, n).weight.to_local() for n in ("q_proj", "k_proj", "v_proj")]
+        # this rank's q/k/v shards back to back in one buffer (what the fused matmul reads)
+        adjacent = all(
+            b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+            and b.storage_offset() == a.storage_offset() + a.numel()
+            for a, b in zip(local, local[1:], strict=False)
+        )
+        fused = dict(removed=llm.runner.num_fused_linears, adjacent=adjacent,
+                     weight_type=type(attn.q_proj.weight).__name__)  # fmt: skip
     collectives = sorted(op for op in ops if "c10d" in op)
-    return dict(tokens=out, graphs=counters["stats"]["unique_graphs"], collectives=collectives)
+    return dict(tokens=out, graphs=counters["stats"]["unique_graphs"], collectives=collectives,
+                fused=fused)  # fmt: skip
 
 
 def ngram_speculation(root: Path, rank: int) -> dict[str, Any]:

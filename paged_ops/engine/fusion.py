@@ -33,14 +33,39 @@ SIBLING_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
 _LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without torch.distributed
+        return None
+    return DTensor
+
+
+def _column_sharded(weight: Any) -> bool:
+    """A tensor-parallel weight split by output rows over a 1-D mesh (transformers' colwise plan:
+    q/k/v, gate/up): each rank's local shard is a plain ``[rows, in]`` block of its own."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(weight, dtensor) or weight.device_mesh.ndim != 1:
+        return False
+    (placement,) = weight.placements
+    return placement.is_shard() and placement.dim == 0 and weight.dim() == 2
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank computes with: a DTensor's local shard, else ``t``."""
+    dtensor = _dtensor_type()
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+
+
 def _plain_linear(module: nn.Module | None) -> bool:
-    # A tensor-parallel model's weights are DTensors (a subclass, not nn.Parameter): transformers'
-    # hooks swap in their local shards per forward, so a stacked buffer would not be used.
-    return (
-        type(module) is nn.Linear
-        and type(module.weight) is nn.Parameter
-        and module.weight.dtype.is_floating_point
-    )
+    # A tensor-parallel model's weights are DTensors: transformers' hooks swap in their local
+    # shards per forward (``to_local()``), so only row-sharded (colwise) weights with no bias are
+    # stacked, as local shards, and the graph pass reads through ``to_local``.
+    if type(module) is not nn.Linear or not module.weight.dtype.is_floating_point:
+        return False
+    if type(module.weight) is nn.Parameter:
+        return True
+    return _column_sharded(module.weight) and module.bias is None
 
 
 def stack_projection_weights(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
@@ -58,6 +83,7 @@ def stack_projection_weights(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
             first = mods[0]
             same = all(
                 m.in_features == first.in_features
+                and type(m.weight) is type(first.weight)
                 and m.weight.dtype == first.weight.dtype
                 and m.weight.device == first.weight.device
                 and (m.bias is None) == (first.bias is None)
@@ -73,6 +99,8 @@ def stack_projection_weights(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
 
 
 def _stack(group: Sequence[nn.Linear]) -> None:
+    if type(group[0].weight) is not nn.Parameter:
+        return _stack_shards(group)
     with torch.no_grad():
         weight = torch.cat([m.weight for m in group])  # [sum of out_features, in_features]
         bias = None if group[0].bias is None else torch.cat([m.bias for m in group])
@@ -82,6 +110,27 @@ def _stack(group: Sequence[nn.Linear]) -> None:
         m.weight = nn.Parameter(weight[row : row + rows], requires_grad=m.weight.requires_grad)
         if bias is not None:
             m.bias = nn.Parameter(bias[row : row + rows], requires_grad=m.bias.requires_grad)
+        row += rows
+    return None
+
+
+def _stack_shards(group: Sequence[nn.Linear]) -> None:
+    """:func:`_stack` for column-sharded DTensor weights: this rank's local shards go back to back
+    in one buffer and each weight becomes a DTensor over its view (same global shape, mesh and
+    placement; the other ranks do the same with theirs)."""
+    dtensor = _dtensor_type()
+    assert dtensor is not None
+    with torch.no_grad():
+        local = torch.cat([m.weight.to_local() for m in group])  # [sum of local rows, in]
+    row = 0
+    for m in group:
+        w = m.weight
+        rows = w.to_local().shape[0]
+        shard = dtensor.from_local(
+            local[row : row + rows], w.device_mesh, w.placements, run_check=False,
+            shape=w.shape, stride=w.stride(),
+        )  # fmt: skip
+        m.weight = nn.Parameter(shard, requires_grad=w.requires_grad)
         row += rows
 
 
@@ -104,7 +153,7 @@ def _adjacent(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def _stacked(group: Sequence[nn.Linear]) -> bool:
-    weights_ok = _adjacent([m.weight for m in group])
+    weights_ok = _adjacent([_local(m.weight) for m in group])
     return weights_ok and (group[0].bias is None or _adjacent([m.bias for m in group]))
 
 
@@ -129,6 +178,11 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs, strict=False):
         real[node] = value
+    for node in graph.nodes:  # a tensor-parallel weight: ``placeholder.to_local()``
+        if node.op == "call_method" and node.target == "to_local" and len(node.args) == 1:
+            value = real.get(node.args[0])
+            if isinstance(value, torch.Tensor) and _column_sharded(value):
+                real[node] = value.to_local()
     by_input: dict[tuple[fx.Node, bool], list[fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _LINEAR_TARGETS or node.kwargs:
