@@ -8,6 +8,7 @@ the same weights). One system per process:
     python benchmarks/bench_tp.py --prepare /tmp/llama8b                # once: random weights
     python benchmarks/bench_tp.py --weights /tmp/llama8b --out tp1.json  # TP=1: one GPU, no plan
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --weights /tmp/llama8b --out tp2.json
+    torchrun ... --llm fuse_projections=False --out tp2_unfused.json  # LLM keywords (paged_ops)
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --weights /tmp/llama8b \\
         --system hf_static_compile --batches 1 --out hf_tp2.json
     python benchmarks/bench_tp.py --compare tp1.json tp2.json           # greedy tokens, speedup
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_generate as bg  # noqa: E402
+import compare_engines  # noqa: E402
 import profile_decode  # noqa: E402
 
 NUM_CHECK_PROMPTS = 8
@@ -55,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--check-tokens", type=int, default=32, help="greedy tokens of the 8 prompts")
+    p.add_argument(
+        "--llm", default="", help='paged_ops: LLM keywords, "fuse_projections=False,..."'
+    )
     p.add_argument("--profile-batches", default="", help="paged_ops: kernel time per step at these")
     p.add_argument(
         "--hang-dump",
@@ -66,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.profile_batches = [int(b) for b in args.profile_batches.split(",") if b]
+    args.llm = compare_engines.parse_variant(":" + args.llm)[1]
     return args
 
 
@@ -117,6 +123,7 @@ def run_paged_ops(model, batches: list[int], args, cfg) -> tuple[list[dict], dic
     vocab = cfg.vocab_size
     llm = LLM(
         model,
+        **args.llm,
         max_num_seqs=max(batches),
         max_model_len=args.prompt_len + max(args.new_tokens, args.check_tokens),
     )
@@ -231,6 +238,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     result = dict(
         system=args.system,
+        llm_kwargs=args.llm,
         world_size=world,
         backend=dist.get_backend() if dist.is_initialized() else None,
         device=torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
