@@ -154,6 +154,12 @@ class PagedAttention(nn.Module):
         # clears it at the model's first layer (a forward consumes its step).
         self.pending_step: Hashable | None = None
         self.step_owner: object | None = None  # keeps what prepared the step alive until the next
+        # (cache [N, 2, B, Hkv, D], k_scale, v_scale) of the layer about to run, set by a compiled
+        # per-layer region (engine/regions.py) so that every layer's graph reads them under the
+        # same names and the compile caches serve the identical layers; None: by layer index
+        self.region_inputs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = (
+            None
+        )
         self._sequences: dict[Hashable, _SequenceState] = {}
         self._resolve_backends(backend)
 
@@ -335,6 +341,15 @@ class PagedAttention(nn.Module):
             raise ValueError(f"unknown sequence {seq_id!r}")
         self.allocator.free(state.blocks)
 
+    def layer_inputs(
+        self, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``layer_idx``'s cache ``[N, 2, B, Hkv, D]`` and FP8 scales (``[Hkv]`` or None):
+        what a compiled per-layer region sets as :attr:`region_inputs` before the layer runs."""
+        if self.k_scales is None or self.v_scales is None:
+            return self.kv_cache.layers[layer_idx], None, None
+        return self.kv_cache.layers[layer_idx], self.k_scales[layer_idx], self.v_scales[layer_idx]
+
     # ---- per layer, inside the compiled forward ----
 
     def forward(
@@ -360,7 +375,9 @@ class PagedAttention(nn.Module):
         if md is None:
             raise RuntimeError("PagedAttention.prepare() must run before the forward")
         cfg = self.layers[layer_idx]
-        cache = self.kv_cache.layers[layer_idx]  # [N, 2, B, Hkv, D]
+        region = self.region_inputs
+        # [N, 2, B, Hkv, D]
+        cache = self.kv_cache.layers[layer_idx] if region is None else region[0]
         check_layer_heads(layer_idx, query, key, value, cache, self.num_q_heads)
         backend, handle = self.layer_routes[layer_idx]
         if md.has_padding_queries or md.computed_on_device:  # nothing planned for the step
@@ -369,7 +386,10 @@ class PagedAttention(nn.Module):
         if self.k_scales is not None and self.v_scales is not None:
             if self.calculate_kv_scales:
                 self._calibrate(layer_idx, key, value, md.slot_mapping)
-            k_scale, v_scale = self.k_scales[layer_idx], self.v_scales[layer_idx]  # [Hkv]
+            if region is None or self.calculate_kv_scales:
+                k_scale, v_scale = self.k_scales[layer_idx], self.v_scales[layer_idx]  # [Hkv]
+            else:
+                k_scale, v_scale = region[1], region[2]
         torch.ops.paged_ops.write_kv.default(
             key, value, cache, md.slot_mapping, k_scale, v_scale, self.write_backend
         )

@@ -121,15 +121,15 @@ def test_bench_tp_prepares_runs_and_compares_greedy_tokens(tmp_path):
     assert "identical on 8 of 8 prompts" in printed and "1.00x" in printed
 
 
-def test_probe_regional_compile_serves_later_layers_from_the_compile_caches(tmp_path):
-    """Issue 14's first-start probe: with the cache read through one name, the second layer's
-    graph is the first's, so Inductor's FX-graph cache and AOTAutograd's cache serve it."""
+def test_probe_regional_compile_times_a_first_start_with_regions(tmp_path):
+    """Issue 14's first-start probe, regions mode, 2 layers: the second layer's graph is served
+    by Inductor's FX-graph cache and AOTAutograd's cache (the probe starts with cold caches)."""
     out = tmp_path / "regional.json"
-    cmd = [sys.executable, str(BENCH / "probe_regional_compile.py"), "--mode", "layers",
-           "--index-free-cache", "--layers", "2", "--out", str(out)]  # fmt: skip
+    cmd = [sys.executable, str(BENCH / "probe_regional_compile.py"), "--mode", "regions",
+           "--layers", "2", "--out", str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["graphs"] == 2
+    assert result["graphs"] == 2 + 2  # the layers, the final norm, the greedy argmax
     assert result["fx_graph_cache"].get("fxgraph_cache_hit") == 1
     assert result["aot_autograd"].get("autograd_cache_hit") == 1

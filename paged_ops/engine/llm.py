@@ -221,6 +221,12 @@ class LLM:
             Triton matrix-vector kernel for steps of up to 16 tokens, cuBLAS for larger steps and
             vocabulary heads. Off by default: on an H100 it is not faster than cuBLAS yet
             (batch 1: 441 vs 683 tok/s; benchmarks/NOTES.md section 11).
+        compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
+            greedy argmax) on its own instead of the whole forward; identical layers are served
+            by Inductor's and AOTAutograd's caches, so the first start compiles one layer's
+            graph instead of all of them (CPU: first ``generate`` 32.5 -> 21.3 s for 16 layers).
+            Off by default: not yet measured on a GPU (no fusion across layer boundaries; the
+            embedding and LM head run eagerly between the regions; benchmarks/NOTES.md 16).
         kv_cache_dtype: "auto" (the model's dtype), "fp8"/"fp8_e4m3" or "fp8_e5m2": K/V stored in
             one byte each, so the same memory holds twice the blocks of bfloat16 and decode reads
             half the bytes. Scales: the checkpoint's (attention modules' ``k_scale``/``v_scale``),
@@ -284,6 +290,7 @@ class LLM:
         overlap: bool = True,
         fuse_projections: bool = True,
         small_linears: bool = False,
+        compile_regions: bool = False,
         kv_cache_dtype: str | torch.dtype | None = None,
         calculate_kv_scales: bool | None = None,
         cache_dir: str | os.PathLike[str] | bool | None = None,
@@ -297,6 +304,7 @@ class LLM:
             overlap=overlap,
             fuse_projections=fuse_projections,
             small_linears=small_linears,
+            compile_regions=compile_regions,
         )
         given = dict(
             backend=backend,
@@ -383,6 +391,7 @@ class LLM:
             cuda_graphs=flags["cuda_graphs"],
             fuse_projections=flags["fuse_projections"],
             small_linears=flags["small_linears"],
+            compile_regions=flags["compile_regions"],
         )
         spec = self.speculative
         self.runner = ModelRunner(

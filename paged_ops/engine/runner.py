@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from paged_ops.engine import fusion
+from paged_ops.engine.regions import CompiledRegions, own_code
 from paged_ops.engine.sampler import greedy_ids, host_to_device
 from paged_ops.engine.scheduler import ScheduledBatch
 from paged_ops.metadata import SequenceSlice
@@ -57,32 +58,18 @@ def _no_duck_shapes():  # returns a context manager
     return fx_config.patch(use_duck_shape=False)
 
 
-def _own_code(method: types.MethodType) -> types.MethodType:
-    """``method`` on a copy of its function's code object, bound to the same instance.
-
-    Dynamo keeps what it compiles (transformed bytecode, guards, the backend and its graphs) on the
-    code object of the frame it compiled, not on the function, and a closure made per instance
-    still shares its ``def``'s code object. On the one code object of ``_model_forward``, each
-    new runner would recompile (the guards on the other runners' objects fail), entries of every
-    runner ever built would pile up towards Dynamo's recompile limit, and none would go with its
-    runner (issue 15). A code object of its own gives each runner a cache that it can drop.
-    """
-    func = method.__func__
-    code = func.__code__.replace()  # same bytecode, name and line: only the identity differs
-    assert code is not func.__code__
-    own = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__)
-    own.__qualname__ = func.__qualname__
-    return types.MethodType(own, method.__self__)
-
-
-def _evict_compiled(code: types.CodeType) -> None:
-    """Drop Dynamo's cache entries of ``code`` (that code object's only: other runners keep
-    theirs), with the compiled graphs and guards they hold. Without it they outlive the runner:
-    each entry holds its compiled code, which Dynamo maps back to ``code``, all from C, where
-    the garbage collector does not look."""
+def _evict_compiled(codes: list[types.CodeType], regions: CompiledRegions | None) -> None:
+    """Drop Dynamo's cache entries of ``codes`` (those code objects' only: other runners keep
+    theirs), with the compiled graphs and guards they hold, and give per-layer regions' modules
+    their own ``forward`` back. Without it they outlive the runner: each entry holds its compiled
+    code, which Dynamo maps back to its code object, all from C, where the garbage collector does
+    not look."""
+    if regions is not None:
+        regions.remove()
     reset_code = getattr(torch._C._dynamo.eval_frame, "reset_code", None)  # torch 2.11 .. 2.13
     if reset_code is not None:
-        reset_code(code)
+        for code in codes:
+            reset_code(code)
 
 
 def _weak(method: Callable[[int], None]) -> Callable[[int], None]:
@@ -110,6 +97,10 @@ class ModelRunner:
         small_linears: with ``compile``, run the projections through ``paged_ops::small_linear``
             (a Triton GEMV for steps of <= 16 tokens, cuBLAS above; the vocabulary head stays on
             cuBLAS). Off by default: not faster than cuBLAS on an H100 yet (NOTES.md section 11).
+        compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
+            greedy argmax) on its own instead of the whole forward: the identical layers are
+            served by the compile caches (:mod:`paged_ops.engine.regions`; a shorter first
+            start, not yet measured on a GPU).
         verify_tokens: speculative decoding's ``k``: with CUDA graphs, verify steps (every
             sequence feeds ``k + 1`` tokens and needs logits at each) get graphs of their own per
             batch bucket up to ``verify_max_seqs`` (the target-verify graphs); 0 = none.
@@ -125,6 +116,7 @@ class ModelRunner:
         cuda_graphs: bool,
         fuse_projections: bool = True,
         small_linears: bool = False,
+        compile_regions: bool = False,
         verify_tokens: int = 0,
         verify_max_seqs: int = 0,
     ) -> None:
@@ -141,6 +133,8 @@ class ModelRunner:
         self.logit_rows = torch.arange(self.max_num_tokens, dtype=torch.int64, device=self.device)
         self._compiled = compile
         self._forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._model_forward
+        self._greedy: Callable[[torch.Tensor], torch.Tensor] = greedy_ids  # [S, V] -> [S]
+        self.regions: CompiledRegions | None = None  # compile_regions: the compiled layers
         self.fused_groups: list = []  # projection groups whose weights were stacked
         self.num_fused_linears = 0  # linear calls removed from the compiled graph
         self.num_small_linears = 0  # linear calls sent through paged_ops::small_linear
@@ -157,11 +151,17 @@ class ModelRunner:
                     max_out_features=SMALL_LINEAR_MAX_OUT,
                     on_rerouted=_weak(self._count_rerouted),
                 )
-            forward = _own_code(self._model_forward)
+            if compile_regions:  # each decoder layer compiled on its own (engine/regions.py)
+                self.regions = CompiledRegions(model, pa, backend)
+                self._greedy = self.regions.greedy
+                codes = self.regions.codes
+            else:
+                forward = own_code(self._model_forward.__func__, self)
+                codes = [forward.__code__]
+                self._forward = torch.compile(forward, fullgraph=True, backend=backend)
             # on close(), or once a runner dropped without close() is collected
-            self._evict_compiled = weakref.finalize(self, _evict_compiled, forward.__code__)
+            self._evict_compiled = weakref.finalize(self, _evict_compiled, codes, self.regions)
             self._evict_compiled.atexit = False
-            self._forward = torch.compile(forward, fullgraph=True, backend=backend)
         self.use_graphs = cuda_graphs and on_cuda
         self.buckets = graph_buckets(self.max_num_seqs) if self.use_graphs else []
         # bucket -> (graph, its static outputs: logits [bucket, V], greedy ids [bucket])
@@ -198,7 +198,7 @@ class ModelRunner:
             logits_to_keep=logits_indices,
         )
         logits = out.logits[0]
-        return logits, greedy_ids(logits)
+        return logits, self._greedy(logits)
 
     def _graph_safe(self, kind: str) -> bool:
         """Whether steps of ``kind`` may be captured: no layer's backend plans on the host for
