@@ -376,20 +376,15 @@ class PagedAttention(nn.Module):
             raise RuntimeError("PagedAttention.prepare() must run before the forward")
         cfg = self.layers[layer_idx]
         region = self.region_inputs
-        # [N, 2, B, Hkv, D]
-        cache = self.kv_cache.layers[layer_idx] if region is None else region[0]
+        # cache [N, 2, B, Hkv, D]; FP8 scales [Hkv] or None
+        cache, k_scale, v_scale = self.layer_inputs(layer_idx) if region is None else region
         check_layer_heads(layer_idx, query, key, value, cache, self.num_q_heads)
         backend, handle = self.layer_routes[layer_idx]
         if md.has_padding_queries or md.computed_on_device:  # nothing planned for the step
             backend, handle = self.padding_backends[layer_idx], -1
-        k_scale = v_scale = None
-        if self.k_scales is not None and self.v_scales is not None:
-            if self.calculate_kv_scales:
-                self._calibrate(layer_idx, key, value, md.slot_mapping)
-            if region is None or self.calculate_kv_scales:
-                k_scale, v_scale = self.k_scales[layer_idx], self.v_scales[layer_idx]  # [Hkv]
-            else:
-                k_scale, v_scale = region[1], region[2]
+        if k_scale is not None and self.calculate_kv_scales:
+            self._calibrate(layer_idx, key, value, md.slot_mapping)
+            k_scale, v_scale = self.k_scales[layer_idx], self.v_scales[layer_idx]  # measured rows
         torch.ops.paged_ops.write_kv.default(
             key, value, cache, md.slot_mapping, k_scale, v_scale, self.write_backend
         )

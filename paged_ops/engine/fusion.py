@@ -120,12 +120,12 @@ def _stack_shards(group: Sequence[nn.Linear]) -> None:
     placement; the other ranks do the same with theirs)."""
     dtensor = _dtensor_type()
     assert dtensor is not None
+    shards = [m.weight.to_local() for m in group]  # [local rows, in] each
     with torch.no_grad():
-        local = torch.cat([m.weight.to_local() for m in group])  # [sum of local rows, in]
+        local = torch.cat(shards)  # [sum of local rows, in]
     row = 0
-    for m in group:
-        w = m.weight
-        rows = w.to_local().shape[0]
+    for m, own in zip(group, shards, strict=True):
+        w, rows = m.weight, own.shape[0]
         shard = dtensor.from_local(
             local[row : row + rows], w.device_mesh, w.placements, run_check=False,
             shape=w.shape, stride=w.stride(),

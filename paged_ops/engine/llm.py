@@ -224,7 +224,7 @@ class LLM:
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward; identical layers are served
             by Inductor's and AOTAutograd's caches, so the first start compiles one layer's
-            graph instead of all of them (CPU: first ``generate`` 32.5 -> 21.3 s for 16 layers).
+            graph instead of all of them (dev CPU, 16 layers: 19.9-26.3 s against 33.9-40.4 s).
             Off by default: not yet measured on a GPU (no fusion across layer boundaries; the
             embedding and LM head run eagerly between the regions; benchmarks/NOTES.md 16).
         kv_cache_dtype: "auto" (the model's dtype), "fp8"/"fp8_e4m3" or "fp8_e5m2": K/V stored in

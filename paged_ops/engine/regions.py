@@ -9,8 +9,8 @@ The layers' graphs are identical when every layer reads its KV cache and FP8 sca
 same names: a graph input is named after its access path (``kv_cache.layers[3]`` differs from
 ``kv_cache.layers[4]``), so each region hands its layer's tensors to the attention through
 ``PagedAttention.region_inputs``. Inductor's FX-graph cache and AOTAutograd's cache then serve
-layers 2..N from layer 1's compile (a CPU probe: 15 of 16 hits each, first ``generate`` 32.5 ->
-21.3 s; benchmarks/NOTES.md section 16).
+layers 2..N from layer 1's compile (dev CPU, 16 layers: 15 of 16 hits each, first start
+19.9-26.3 s against 33.9-40.4 s for the whole model; benchmarks/NOTES.md section 16).
 
 Trade-offs, not yet measured on a GPU: no fusion across layer boundaries (the last residual add of
 a layer and the next layer's norm are two kernels instead of one), a few eager kernels per step
