@@ -162,22 +162,8 @@ def run_paged_ops(model, batches: list[int], args, cfg) -> tuple[list[dict], dic
 
 
 def run_hf_static_compile(model, batches: list[int], args, cfg) -> tuple[list[dict], dict]:
-    device, vocab = next(model.parameters()).device, cfg.vocab_size
-    rows = []
-    for batch in batches:
-
-        def call(variant: int, batch: int = batch) -> int:
-            ids = torch.tensor(bg.prompts(batch, args.prompt_len, vocab, variant), device=device)
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
-                min_new_tokens=args.new_tokens, do_sample=False, cache_implementation="static",
-            )  # fmt: skip
-            return (out.shape[1] - args.prompt_len) * out.shape[0]
-
-        _, first = bg.timed(lambda: call(0))  # compiles the graphs the timed call replays
-        n, seconds = bg.timed(lambda: call(1))
-        rows.append(dict(batch=batch, tokens=n, seconds=seconds, tok_s=n / seconds, first_s=first))
-        print(f"  b={batch}: {n / seconds:,.1f} tok/s (first call {first:.1f} s)", flush=True)
+    rows = bg.run_hf_generate(cfg, batches, args.prompt_len, args.new_tokens, args, static=True,
+                              model=model)  # fmt: skip
     return rows, {}
 
 
@@ -186,7 +172,7 @@ def compare(a_path: Path, b_path: Path) -> dict:
     a, b = (json.loads(p.read_text()) for p in (a_path, b_path))
     first_diff, gaps, noise = [], [], []
     for i, (x, y) in enumerate(zip(a["check_tokens"], b["check_tokens"], strict=True)):
-        diff = next((j for j, (s, t) in enumerate(zip(x, y, strict=False)) if s != t), None)
+        diff = bg.first_difference(x, y)
         first_diff.append(diff)
         lp_a, lp_b = a["check_logprobs"][i], b["check_logprobs"][i]
         # |logprob of the same token in both runs| at the positions before they part

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_generate as bg  # noqa: E402
 from real_models import load_smollm2  # noqa: E402
 
 from paged_ops import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
@@ -92,13 +94,6 @@ def run_one(llm: LLM, prompt: str, new_tokens: int) -> tuple[list[int], str, dic
     return list(out.token_ids), out.text, figures
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
@@ -137,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         row = {
             "prompt_tokens": prompt_len,
             "equal_tokens": base_ids == spec_ids,
-            "first_difference": first_difference(base_ids, spec_ids),
+            "first_difference": bg.first_difference(base_ids, spec_ids),
             "acceptance_rate": sp["acceptance_rate"],
             "accepted": sp["num_accepted_tokens"],
             "drafted": sp["num_draft_tokens"],

@@ -521,13 +521,6 @@ def check_outputs(
 # ---- solo re-runs ----
 
 
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 @torch.inference_mode()
 def reference_model(model: nn.Module) -> nn.Module:
     """A float32 copy of the (not yet patched) model: transformers' own attention on the same
@@ -624,7 +617,7 @@ def difference(
     """None when the soak's and the solo run's tokens agree, else where they part and how far the
     float32 reference's logits there are from making either choice (``margin``, against
     ``tolerance``)."""
-    p = first_difference(soak_ids, solo_ids)
+    p = bg.first_difference(soak_ids, solo_ids)
     if p is None:
         return None
     row: dict[str, Any] = dict(position=p, soak_len=len(soak_ids), solo_len=len(solo_ids))
