@@ -29,6 +29,7 @@ before that call: model setup plus a first call (compiles, graph captures, autot
     python benchmarks/bench_generate.py --quick            # 64 new tokens, batches 1 and 64
     python benchmarks/bench_generate.py --systems paged_ops --kv-cache-dtype auto,fp8 --long-prompts
     python benchmarks/bench_generate.py --systems none --warmup-starts 2   # first / second start
+    python benchmarks/bench_generate.py --systems none --warmup-starts 2 --llm compile_regions=True
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ def make_llm(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype: str = "
         cuda_graphs=args.compile,
         **(dict(kv_cache_dtype=kv_cache_dtype) if kv_cache_dtype != "auto" else {}),
         **(dict(calculate_kv_scales=True) if fp8 and args.calculate_kv_scales else {}),
+        **args.llm,
     )
 
 
@@ -464,9 +466,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="--warmup-starts: the cache dir (default: a new empty temp dir)",
     )
+    parser.add_argument("--llm", default="",
+                        help='paged_ops: more LLM keywords, "compile_regions=True,..." (also for '
+                             "--warmup-starts)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
     parser.add_argument("--out", help="write the results as JSON here (after every system)")
     args = parser.parse_args(argv)
+    import compare_engines  # (imports this module: not at the top)
+
+    _, args.llm, inductor = compare_engines.parse_variant(":" + args.llm)
+    if inductor:
+        parser.error(f"--llm: Inductor options {sorted(inductor)} belong to compare_engines.py")
     if args.quick:
         args.new_tokens, args.batches = 64, "1,64"
     if args.long_prompts:
@@ -528,7 +538,8 @@ def main() -> None:
                 ignore_eos=True, kv_cache_dtypes=kv_dtypes,
                 paged_ops_cases=[[b, p] for p, bs in groups for b in bs],
                 kv_budget_gib=args.kv_budget_gib,
-                calculate_kv_scales=args.calculate_kv_scales, tiny=args.tiny)  # fmt: skip
+                calculate_kv_scales=args.calculate_kv_scales, tiny=args.tiny,
+                llm_kwargs=args.llm)  # fmt: skip
     if args.warmup_starts > 0:
         import bench_warmup
 
