@@ -7,7 +7,7 @@ into a class by its name. Prints a table per batch size and writes JSON:
     python benchmarks/profile_decode.py --batches 1,8 --out benchmarks/results/profile_decode.json
 
 Kernel time per step = class total / number of steps of the profiled call (prefill included: one
-of ``--new-tokens`` steps). The top kernels of each class are listed, so a new kernel name that falls
+of ``--new-tokens`` steps). The top kernels of each class are printed (the JSON lists them all), so a new kernel name that falls
 into "other" shows up.
 """
 
@@ -78,7 +78,7 @@ def profile_batch(llm, cfg, b: int, prompt_len: int, new_tokens: int) -> dict:
                tok_s=b * new_tokens / wall, kernel_us_per_step=total,
                classes={k: round(v, 2) for k, v in sorted(per_class.items())},
                top_kernels={k: [dict(us_per_step=round(u, 2), calls_per_step=round(c, 2), name=n)
-                                for u, c, n in sorted(v, reverse=True)[:6]]
+                                for u, c, n in sorted(v, reverse=True)]
                             for k, v in kernels.items()})  # fmt: skip
     print(f"\n--- b={b}: {steps} steps, {wall / steps * 1e3:.3f} ms/step wall "
           f"({row['tok_s']:,.0f} tok/s), kernels {total:.1f} us/step ---")  # fmt: skip
@@ -98,9 +98,13 @@ def main() -> None:
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--max-model-len", type=int, default=400,
                         help="as bench_generate's 128 + 256 + 16")  # fmt: skip
+    parser.add_argument("--llm", default="", help='more LLM keywords, "compile_regions=True,..."')
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    import compare_engines
+
+    _, llm_kwargs, _ = compare_engines.parse_variant(":" + args.llm)
 
     from paged_ops import LLM
 
@@ -112,12 +116,13 @@ def main() -> None:
     llm = LLM(model, backend=args.backend, max_num_seqs=max(2, *batches),
               max_model_len=args.max_model_len, max_num_tokens=4096,
               num_blocks=2 * max(batches) * -(-args.max_model_len // 16) + 8,
-              compile=on_cuda, cuda_graphs=on_cuda)  # fmt: skip
+              compile=on_cuda, cuda_graphs=on_cuda, **llm_kwargs)  # fmt: skip
     print(f"LLM ready in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = [profile_batch(llm, cfg, b, args.prompt_len, args.new_tokens) for b in batches]
     result = dict(device=torch.cuda.get_device_name() if on_cuda else platform.processor(),
                   torch=torch.__version__, backend=args.backend, layers=args.layers,
-                  prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows)  # fmt: skip
+                  prompt_len=args.prompt_len, new_tokens=args.new_tokens, llm_kwargs=llm_kwargs,
+                  rows=rows)  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.out}")
