@@ -225,8 +225,14 @@ class LLM:
             greedy argmax) on its own instead of the whole forward; identical layers are served
             by Inductor's and AOTAutograd's caches, so the first start compiles one layer's
             graph instead of all of them (dev CPU, 16 layers: 19.9-26.3 s against 33.9-40.4 s).
-            Off by default: not yet measured on a GPU (no fusion across layer boundaries; the
-            embedding and LM head run eagerly between the regions; benchmarks/NOTES.md 16).
+            Off by default: on an H100 (1B model) the first start is shorter (28.3 vs 35.8 s)
+            but a second start longer (16.4 vs 10.1 s: Dynamo traces every layer) and decoding
+            1-7% slower (no fusion across layer boundaries; benchmarks/NOTES.md 16-17).
+        rope_tables: with ``compile``, serve position-only rotary embeddings (transformers'
+            "default", "linear", "llama3", "yarn", "proportional" RoPE) from cos/sin tables of
+            every position the cache can hold, read by position in each layer's RoPE kernel
+            instead of recomputed there (:mod:`paged_ops.engine.rope_tables`). The values are
+            the rotary module's own.
         kv_cache_dtype: "auto" (the model's dtype), "fp8"/"fp8_e4m3" or "fp8_e5m2": K/V stored in
             one byte each, so the same memory holds twice the blocks of bfloat16 and decode reads
             half the bytes. Scales: the checkpoint's (attention modules' ``k_scale``/``v_scale``),
@@ -291,6 +297,7 @@ class LLM:
         fuse_projections: bool = True,
         small_linears: bool = False,
         compile_regions: bool = False,
+        rope_tables: bool = True,
         kv_cache_dtype: str | torch.dtype | None = None,
         calculate_kv_scales: bool | None = None,
         cache_dir: str | os.PathLike[str] | bool | None = None,
@@ -305,6 +312,7 @@ class LLM:
             fuse_projections=fuse_projections,
             small_linears=small_linears,
             compile_regions=compile_regions,
+            rope_tables=rope_tables,
         )
         given = dict(
             backend=backend,
@@ -392,6 +400,7 @@ class LLM:
             fuse_projections=flags["fuse_projections"],
             small_linears=flags["small_linears"],
             compile_regions=flags["compile_regions"],
+            rope_tables=flags["rope_tables"],
         )
         spec = self.speculative
         self.runner = ModelRunner(

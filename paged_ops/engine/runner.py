@@ -35,6 +35,7 @@ from torch import nn
 
 from paged_ops.engine import fusion
 from paged_ops.engine.regions import CompiledRegions, own_code
+from paged_ops.engine.rope_tables import RopeTables
 from paged_ops.engine.sampler import greedy_ids, host_to_device
 from paged_ops.engine.scheduler import ScheduledBatch
 from paged_ops.metadata import SequenceSlice
@@ -58,14 +59,18 @@ def _no_duck_shapes():  # returns a context manager
     return fx_config.patch(use_duck_shape=False)
 
 
-def _evict_compiled(codes: list[types.CodeType], regions: CompiledRegions | None) -> None:
+def _evict_compiled(
+    codes: list[types.CodeType], regions: CompiledRegions | None, rope: RopeTables | None
+) -> None:
     """Drop Dynamo's cache entries of ``codes`` (those code objects' only: other runners keep
     theirs), with the compiled graphs and guards they hold, and give per-layer regions' modules
-    their own ``forward`` back. Without it they outlive the runner: each entry holds its compiled
-    code, which Dynamo maps back to its code object, all from C, where the garbage collector does
-    not look."""
+    and table-served rotary modules their own ``forward`` back. Without it they outlive the
+    runner: each entry holds its compiled code, which Dynamo maps back to its code object, all
+    from C, where the garbage collector does not look."""
     if regions is not None:
         regions.remove()
+    if rope is not None:
+        rope.remove()
     reset_code = getattr(torch._C._dynamo.eval_frame, "reset_code", None)  # torch 2.11 .. 2.13
     if reset_code is not None:
         for code in codes:
@@ -100,7 +105,10 @@ class ModelRunner:
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward: the identical layers are
             served by the compile caches (:mod:`paged_ops.engine.regions`; a shorter first
-            start, not yet measured on a GPU).
+            start; slower steady state on an H100, benchmarks/NOTES.md section 17).
+        rope_tables: with ``compile``, serve the model's position-only rotary embeddings from
+            cos/sin tables of every position the block table reaches, so each layer's RoPE
+            kernel loads rows instead of recomputing them (:mod:`paged_ops.engine.rope_tables`).
         verify_tokens: speculative decoding's ``k``: with CUDA graphs, verify steps (every
             sequence feeds ``k + 1`` tokens and needs logits at each) get graphs of their own per
             batch bucket up to ``verify_max_seqs`` (the target-verify graphs); 0 = none.
@@ -117,6 +125,7 @@ class ModelRunner:
         fuse_projections: bool = True,
         small_linears: bool = False,
         compile_regions: bool = False,
+        rope_tables: bool = True,
         verify_tokens: int = 0,
         verify_max_seqs: int = 0,
     ) -> None:
@@ -135,10 +144,15 @@ class ModelRunner:
         self._forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._model_forward
         self._greedy: Callable[[torch.Tensor], torch.Tensor] = greedy_ids  # [S, V] -> [S]
         self.regions: CompiledRegions | None = None  # compile_regions: the compiled layers
+        self.rope_tables: RopeTables | None = None  # rope_tables: the table-served rotary modules
         self.fused_groups: list = []  # projection groups whose weights were stacked
         self.num_fused_linears = 0  # linear calls removed from the compiled graph
         self.num_small_linears = 0  # linear calls sent through paged_ops::small_linear
         if compile:
+            if rope_tables:
+                builder = pa.builder
+                positions = builder.max_blocks_per_seq * builder.block_size  # all it can cache
+                self.rope_tables = RopeTables(model, positions, self.device)
             backend: str | Callable = INNER_BACKEND
             if fuse_projections:
                 self.fused_groups = fusion.stack_projection_weights(model)
@@ -160,7 +174,9 @@ class ModelRunner:
                 codes = [forward.__code__]
                 self._forward = torch.compile(forward, fullgraph=True, backend=backend)
             # on close(), or once a runner dropped without close() is collected
-            self._evict_compiled = weakref.finalize(self, _evict_compiled, codes, self.regions)
+            self._evict_compiled = weakref.finalize(
+                self, _evict_compiled, codes, self.regions, self.rope_tables
+            )
             self._evict_compiled.atexit = False
         self.use_graphs = cuda_graphs and on_cuda
         self.buckets = graph_buckets(self.max_num_seqs) if self.use_graphs else []
