@@ -6,9 +6,13 @@ into a class by its name. Prints a table per batch size and writes JSON:
 
     python benchmarks/profile_decode.py --batches 1,8 --out benchmarks/results/profile_decode.json
 
-Kernel time per step = class total / number of steps of the profiled call (prefill included: one
-of ``--new-tokens`` steps). The top kernels of each class are printed (the JSON lists them all), so a new kernel name that falls
-into "other" shows up.
+Kernel time per step = class total / number of steps of the profiled call (prefill steps included:
+with 128-token prompts and a 4096-token step budget, 8 of the 72 steps at 256 requests).
+``--graph-replays N`` also profiles N replays of the batch's decode CUDA graph alone: the kernels
+of a pure decode step. The top kernels of each class are printed (the JSON lists them all), so a
+new kernel name that falls into "other" shows up.
+
+    python benchmarks/profile_decode.py --batches 1,64,256 --graph-replays 20
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def op_class(name: str) -> str:
     return "other"
 
 
-def profile_batch(llm, cfg, b: int, prompt_len: int, new_tokens: int) -> dict:
+def profile_batch(llm, cfg, b: int, prompt_len: int, new_tokens: int, replays: int = 0) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from paged_ops import SamplingParams
@@ -64,6 +68,31 @@ def profile_batch(llm, cfg, b: int, prompt_len: int, new_tokens: int) -> dict:
         llm.generate(bg.prompts(b, prompt_len, cfg.vocab_size, variant=7), params, use_tqdm=False)
         bg.sync()
     steps = llm.last_metrics.num_steps
+    row = dict(batch=b, steps=steps, wall_ms_per_step=wall / steps * 1e3,
+               tok_s=b * new_tokens / wall)  # fmt: skip
+    print(f"\n--- b={b}: {steps} steps, {wall / steps * 1e3:.3f} ms/step wall "
+          f"({row['tok_s']:,.0f} tok/s) ---")  # fmt: skip
+    row |= kernel_table(prof, steps, cuda)
+    runner = llm.runner
+    if replays and runner.use_graphs and b <= runner.buckets[-1]:
+        # decode steps alone: the batch's graph replayed on the last step's inputs (every
+        # sequence at its final length), so prefill steps do not mix into the figures
+        bucket = next(x for x in runner.buckets if x >= b)
+        graph = runner._graphs[bucket][0]
+        graph.replay()
+        bg.sync()
+        with profile(activities=[activity]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            bg.sync()
+        print(f"  decode graph of bucket {bucket} alone, {replays} replays:")
+        row["decode_graph"] = dict(bucket=bucket, replays=replays,
+                                   **kernel_table(prof, replays, cuda))  # fmt: skip
+    return row
+
+
+def kernel_table(prof, steps: int, cuda: bool) -> dict:
+    """Kernel time per step by class from a profile of ``steps`` steps; printed and returned."""
     per_class: dict[str, float] = defaultdict(float)
     kernels: dict[str, list] = defaultdict(list)
     for evt in prof.key_averages():
@@ -74,19 +103,16 @@ def profile_batch(llm, cfg, b: int, prompt_len: int, new_tokens: int) -> dict:
         per_class[cls] += us / steps
         kernels[cls].append((us / steps, evt.count / steps, evt.key[:90]))
     total = sum(per_class.values())
-    row = dict(batch=b, steps=steps, wall_ms_per_step=wall / steps * 1e3,
-               tok_s=b * new_tokens / wall, kernel_us_per_step=total,
-               classes={k: round(v, 2) for k, v in sorted(per_class.items())},
-               top_kernels={k: [dict(us_per_step=round(u, 2), calls_per_step=round(c, 2), name=n)
-                                for u, c, n in sorted(v, reverse=True)]
-                            for k, v in kernels.items()})  # fmt: skip
-    print(f"\n--- b={b}: {steps} steps, {wall / steps * 1e3:.3f} ms/step wall "
-          f"({row['tok_s']:,.0f} tok/s), kernels {total:.1f} us/step ---")  # fmt: skip
+    print(f"  kernels {total:.1f} us/step")
     for cls, us in sorted(per_class.items(), key=lambda kv: -kv[1]):
         print(f"  {cls:15s} {us:8.1f} us/step  {100 * us / total:5.1f}%")
         for u, c, n in sorted(kernels[cls], reverse=True)[:4]:
             print(f"      {u:7.1f} us  x{c:5.1f}  {n}")
-    return row
+    return dict(kernel_us_per_step=total,
+                classes={k: round(v, 2) for k, v in sorted(per_class.items())},
+                top_kernels={k: [dict(us_per_step=round(u, 2), calls_per_step=round(c, 2), name=n)
+                                 for u, c, n in sorted(v, reverse=True)]
+                             for k, v in kernels.items()})  # fmt: skip
 
 
 def main() -> None:
@@ -98,6 +124,9 @@ def main() -> None:
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--max-model-len", type=int, default=400,
                         help="as bench_generate's 128 + 256 + 16")  # fmt: skip
+    parser.add_argument("--graph-replays", type=int, default=0,
+                        help="also profile this many replays of the batch's decode graph alone "
+                             "(decode steps without the prefill steps)")  # fmt: skip
     parser.add_argument("--llm", default="", help='more LLM keywords, "compile_regions=True,..."')
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
     parser.add_argument("--out", default=None)
@@ -118,7 +147,8 @@ def main() -> None:
               num_blocks=2 * max(batches) * -(-args.max_model_len // 16) + 8,
               compile=on_cuda, cuda_graphs=on_cuda, **llm_kwargs)  # fmt: skip
     print(f"LLM ready in {time.perf_counter() - t0:.1f} s", flush=True)
-    rows = [profile_batch(llm, cfg, b, args.prompt_len, args.new_tokens) for b in batches]
+    rows = [profile_batch(llm, cfg, b, args.prompt_len, args.new_tokens, args.graph_replays)
+            for b in batches]  # fmt: skip
     result = dict(device=torch.cuda.get_device_name() if on_cuda else platform.processor(),
                   torch=torch.__version__, backend=args.backend, layers=args.layers,
                   prompt_len=args.prompt_len, new_tokens=args.new_tokens, llm_kwargs=llm_kwargs,

@@ -298,13 +298,14 @@ def test_sampler_respects_greedy_top_k_and_top_p():
 def test_two_pass_greedy_ids_equal_argmax_including_ties_and_ragged_chunks():
     g = torch.Generator().manual_seed(0)
     for vocab, chunks in ((96, 128), (1000, 7), (1024, 128), (5, 1)):
-        logits = torch.randn(6, vocab, generator=g)
+        logits = torch.randn(7, vocab, generator=g)
         logits[1] = logits[1].round()  # many ties: the first maximum wins
         logits[2, :] = 3.0
         logits[3, -1] = 100.0  # the maximum in the last, padded chunk
         logits[4, 0] = 100.0
         logits[5] = float("-inf")
         logits[5, vocab // 2] = -1e30
+        logits[6, vocab // 3 :] = float("nan")  # argmax's rule: the first NaN counts as the maximum
         for dtype in (torch.float32, torch.bfloat16):
             x = logits.to(dtype)
             assert torch.equal(greedy_ids(x, chunks), x.argmax(dim=-1)), (vocab, chunks, dtype)

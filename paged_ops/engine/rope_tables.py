@@ -49,9 +49,9 @@ def _layer_types(module: nn.Module) -> list[str | None] | None:
     rope_type = getattr(module, "rope_type", None)
     if params == ["self", "x", "position_ids"] and isinstance(rope_type, str):
         return [None] if rope_type in POSITION_ONLY_ROPE_TYPES else None
-    if params == ["self", "x", "position_ids", "layer_type"] and isinstance(rope_type, dict):
-        if rope_type and set(rope_type.values()) <= POSITION_ONLY_ROPE_TYPES:
-            return list(rope_type)
+    per_layer_type = params == ["self", "x", "position_ids", "layer_type"]
+    if per_layer_type and isinstance(rope_type, dict) and rope_type:
+        return list(rope_type) if set(rope_type.values()) <= POSITION_ONLY_ROPE_TYPES else None
     return None
 
 
@@ -110,8 +110,11 @@ def _tabulate(
             if cos.shape[:2] != (1, num_positions) or cos.shape != sin.shape:
                 return None
             table = (cos[0].float().contiguous(), sin[0].float().contiguous())
-            want = module(x, probe, *extra)
-            if not all(torch.equal(t[probe[0]][None], w.float()) for t, w in zip(table, want)):
+            want = module(x, probe, *extra)  # ([1, 4, D], [1, 4, D])
+            same = [
+                torch.equal(t[probe[0]][None], w.float()) for t, w in zip(table, want, strict=True)
+            ]
+            if not all(same):
                 return None
             tables[variant] = table
     return tables
