@@ -12,9 +12,11 @@ same names: a graph input is named after its access path (``kv_cache.layers[3]``
 layers 2..N from layer 1's compile (dev CPU, 16 layers: 15 of 16 hits each, first start
 19.9-26.3 s against 33.9-40.4 s for the whole model; benchmarks/NOTES.md section 16).
 
-Trade-offs, not yet measured on a GPU: no fusion across layer boundaries (the last residual add of
-a layer and the next layer's norm are two kernels instead of one), a few eager kernels per step
-around the layers, and N + 2 guard checks per step outside CUDA graphs (prefill and mixed steps).
+Trade-offs, measured on an H100 (1B bench model, benchmarks/NOTES.md section 17): first start
+28.3 s against 35.8 s, but a second start 16.4 s against 10.1 s (Dynamo traces each region every
+start) and decoding 1-7% slower (no fusion across layer boundaries: the last residual add of a
+layer and the next layer's norm are two kernels instead of one; a few eager kernels per step
+around the layers; N + 2 guard checks per step outside CUDA graphs). Hence off by default.
 The step's token count is marked dynamic on every region input that carries it.
 """
 
