@@ -155,10 +155,26 @@ def run_paged_ops(model, batches: list[int], args, cfg) -> tuple[list[dict], dic
             kv_heads=pa.num_kv_heads,
             kv_blocks=pa.kv_cache.num_blocks,
             backends=sorted(set(pa.layer_backends)),
+            fusion=fusion_state(model, llm),
         ),
     )
+    print(f"  projection fusion: {extra['per_rank']['fusion']}", flush=True)
     llm.close()
     return rows, extra
+
+
+def fusion_state(model, llm) -> dict:
+    """What projection fusion did on this rank: groups stacked, linear calls removed from the
+    compiled graph, and the first q projection's weight type and placement (DTensor under TP)."""
+    q = next((m.q_proj for m in model.modules() if hasattr(m, "q_proj")), None)
+    weight = getattr(q, "weight", None)
+    return dict(
+        groups_stacked=len(llm.runner.fused_groups),
+        linears_removed=llm.runner.num_fused_linears,
+        q_weight_type=type(weight).__name__,
+        q_placements=str(getattr(weight, "placements", None)),
+        q_is_parameter=isinstance(weight, torch.nn.Parameter),
+    )
 
 
 def run_hf_static_compile(model, batches: list[int], args, cfg) -> tuple[list[dict], dict]:

@@ -179,7 +179,7 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
     for node, value in zip(placeholders, example_inputs, strict=False):
         real[node] = value
     for node in graph.nodes:  # a tensor-parallel weight: ``placeholder.to_local()``
-        if node.op == "call_method" and node.target == "to_local" and len(node.args) == 1:
+        if _is_to_local(node) and len(node.args) == 1:
             value = real.get(node.args[0])
             if isinstance(value, torch.Tensor) and _column_sharded(value):
                 real[node] = value.to_local()
@@ -214,6 +214,14 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
         graph.lint()
         gm.recompile()
     return removed
+
+
+def _is_to_local(node: fx.Node) -> bool:
+    """``DTensor.to_local()`` in a Dynamo graph: a method call (torch 2.13), or the function
+    ``torch._dynamo.variables.tensor.prim_to_local`` that torch 2.11 traces it to."""
+    if node.op == "call_method":
+        return node.target == "to_local"
+    return node.op == "call_function" and getattr(node.target, "__name__", "") == "prim_to_local"
 
 
 def _extends(run: list[fx.Node], node: fx.Node, real: dict, has_bias: bool) -> bool:
