@@ -309,3 +309,14 @@ def test_two_pass_greedy_ids_equal_argmax_including_ties_and_ragged_chunks():
         for dtype in (torch.float32, torch.bfloat16):
             x = logits.to(dtype)
             assert torch.equal(greedy_ids(x, chunks), x.argmax(dim=-1)), (vocab, chunks, dtype)
+
+
+def test_compiled_greedy_ids_equal_argmax():
+    """Compiled (Inductor, dynamic rows) as in the engine's forward; an argmax-then-gather form of
+    the first pass was miscompiled by torch 2.11's CPU Inductor (benchmarks/NOTES.md section 17)."""
+    g = torch.Generator().manual_seed(1)
+    compiled = torch.compile(greedy_ids, dynamic=True)
+    for rows, vocab in ((3, 1000), (5, 128256)):
+        logits = torch.randn(rows, vocab, generator=g)
+        logits[0, :] = logits[0].round()  # ties: the first maximum wins
+        assert torch.equal(compiled(logits), logits.argmax(dim=-1)), (rows, vocab)

@@ -129,13 +129,12 @@ def greedy_ids(logits: torch.Tensor, chunks: int = 16) -> torch.Tensor:
     width = -(-vocab // chunks)
     if width * chunks != vocab:  # pad with -inf: never a row's first maximum unless all are -inf
         logits = torch.nn.functional.pad(logits, (0, width * chunks - vocab), value=float("-inf"))
-    pieces = logits.view(-1, chunks, width)  # [S, chunks, width]
-    # the first pass reduces to indices only (``max`` would be two reductions under Inductor, a
-    # maximum and a maximum-with-index); each piece's maximum is then read back at its index
-    piece_arg = pieces.argmax(dim=-1, keepdim=True)  # [S, chunks, 1]
-    piece_max = pieces.gather(-1, piece_arg)[..., 0]  # [S, chunks]
+    # (``max`` runs as two reductions under Inductor, a maximum and a maximum-with-index; argmax
+    # then a gather of each piece's maximum is one, 8-14% faster on an H100, but torch 2.11's CPU
+    # Inductor miscompiles that form: benchmarks/NOTES.md section 17)
+    piece_max, piece_arg = logits.view(-1, chunks, width).max(dim=-1)  # [S, chunks] each
     best = piece_max.argmax(dim=-1, keepdim=True)  # [S, 1] the first piece holding the maximum
-    return (best * width + piece_arg[..., 0].gather(-1, best))[:, 0]
+    return (best * width + piece_arg.gather(-1, best))[:, 0]
 
 
 def host_to_device(
