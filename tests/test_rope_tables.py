@@ -31,13 +31,29 @@ def test_table_rows_are_the_modules_own_output(family, dtype):
     positions = torch.tensor([[0, 5, 63, 17, 17, 1]])  # [1, 6]
     variants = [(t,) for t in sorted(rotary[0].rope_type)] if family == "gemma3_text" else [()]
     want = {v: rotary[0](x, positions, *v) for v in variants}
+    big = torch.tensor([[70, 3]])  # beyond the tables' 64 rows
+    want_big = rotary[0](x, big, *variants[0])
     tables = RopeTables(model, 64, torch.device("cpu"))
     assert [m for m, _ in tables.installed] == rotary
+    # the lookup serves compiled code (Dynamo's trace, no Inductor: the table rows themselves)
+    torch._dynamo.reset()  # (one lambda per test case: no recompile limit across cases)
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    traced = torch.compile(lambda *a: rotary[0](*a), backend=keep_graph, fullgraph=True)
     for v in variants:
-        got = rotary[0](x, positions, *v)
-        for g, w in zip(got, want[v], strict=True):
-            assert g.dtype == w.dtype == dtype
-            assert torch.equal(g, w)
+        for got in (traced(x, positions, *v), rotary[0](x, positions, *v)):  # compiled, eager
+            for g, w in zip(got, want[v], strict=True):
+                assert g.dtype == w.dtype == dtype
+                assert torch.equal(g, w)
+    traced_ops = {str(n.target) for g in graphs for n in g.graph.nodes}
+    assert not any("cos" in op or "sin" in op for op in traced_ops), traced_ops  # rows, not math
+    # an eager call (the model used directly) runs the module's own forward: no lookup past the rows
+    for g, w in zip(rotary[0](x, big, *variants[0]), want_big, strict=True):
+        assert torch.equal(g, w)
     tables.remove()
     assert "forward" not in vars(rotary[0])
 

@@ -15,7 +15,9 @@ each per-layer-type entry) one of :data:`POSITION_ONLY_ROPE_TYPES` (not "dynamic
 or ``forward(x, position_ids, layer_type)``, and rows that equal the module's own output at a
 probe of positions (checked at install). Tables hold the module's float32 values (cos and sin
 times its attention scaling); the lookup casts them to ``x``'s dtype as the module does, so a
-step's embeddings are the module's own values. Memory: ``2 x positions x head_dim x 4`` bytes
+step's embeddings are the module's own values. The lookup serves compiled code only: an eager call
+(the model used directly while the LLM lives) runs the module's own forward, so a position past
+the tables is never looked up. Memory: ``2 x positions x head_dim x 4`` bytes
 per table (8 MiB for 8,192 positions at head_dim 128).
 """
 
@@ -81,7 +83,7 @@ class RopeTables:
                             "positions differs from its rows", name, type(module).__name__)  # fmt: skip
                 continue
             self.table_bytes += sum(c.nbytes + s.nbytes for c, s in tables.values())
-            forward = _lookup(tables, with_layer_type=variants != [None])
+            forward = _lookup(module, tables, with_layer_type=variants != [None])
             module.forward = forward
             self.installed.append((module, forward))
 
@@ -121,11 +123,19 @@ def _tabulate(
 
 
 def _lookup(
-    tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]], *, with_layer_type: bool
+    module: nn.Module,
+    tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
+    *,
+    with_layer_type: bool,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The replacement ``forward``: rows of the tables at ``position_ids``, in ``x``'s dtype."""
+    """The replacement ``forward``: rows of the tables at ``position_ids``, in ``x``'s dtype, in
+    compiled code (the engine's forward); an eager call (the model used directly while the LLM
+    lives) runs the module's own forward, so no position beyond the tables is ever looked up."""
+    own = type(module).forward.__get__(module)
 
     def rows(x: torch.Tensor, position_ids: torch.Tensor, variant: Any = None):
+        if not torch.compiler.is_compiling():
+            return own(x, position_ids) if variant is None else own(x, position_ids, variant)
         cos, sin = tables[variant]  # [P, D] float32 each
         # position_ids [B, T] -> cos, sin [B, T, D]
         return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
