@@ -59,6 +59,7 @@ def test_regions_give_the_eager_tokens_compile_once_per_layer_and_close_cleanly(
     # the layers, the final norm and the greedy argmax: one graph each, then no recompile
     assert counters["stats"]["unique_graphs"] == NUM_LAYERS + 2
     assert llm.runner.num_fused_linears == NUM_LAYERS * 3  # q/k/v and gate/up, per region
+    assert llm.runner.rope_tables is None  # the rotary module runs eagerly between the regions
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert tokens(llm, PROMPTS[1:]) == want[1:]
     cache = weakref.ref(llm.pa.kv_cache.data)

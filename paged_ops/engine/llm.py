@@ -228,7 +228,8 @@ class LLM:
             Off by default: on an H100 (1B model) the first start is shorter (28.3 vs 35.8 s)
             but a second start longer (16.4 vs 10.1 s: Dynamo traces every layer) and decoding
             1-7% slower (no fusion across layer boundaries; benchmarks/NOTES.md 16-17).
-        rope_tables: with ``compile``, serve position-only rotary embeddings (transformers'
+        rope_tables: with ``compile`` (not ``compile_regions``, which runs the rotary module
+            eagerly), serve position-only rotary embeddings (transformers'
             "default", "linear", "llama3", "yarn", "proportional" RoPE) from cos/sin tables of
             every position the cache can hold, read by position in each layer's RoPE kernel
             instead of recomputed there (:mod:`paged_ops.engine.rope_tables`). The values are

@@ -106,9 +106,10 @@ class ModelRunner:
             greedy argmax) on its own instead of the whole forward: the identical layers are
             served by the compile caches (:mod:`paged_ops.engine.regions`; a shorter first
             start; slower steady state on an H100, benchmarks/NOTES.md section 17).
-        rope_tables: with ``compile``, serve the model's position-only rotary embeddings from
-            cos/sin tables of every position the block table reaches, so each layer's RoPE
-            kernel loads rows instead of recomputing them (:mod:`paged_ops.engine.rope_tables`).
+        rope_tables: with ``compile`` (not ``compile_regions``), serve the model's position-only
+            rotary embeddings from cos/sin tables of every position the block table reaches, so
+            each layer's RoPE kernel loads rows instead of recomputing them
+            (:mod:`paged_ops.engine.rope_tables`).
         verify_tokens: speculative decoding's ``k``: with CUDA graphs, verify steps (every
             sequence feeds ``k + 1`` tokens and needs logits at each) get graphs of their own per
             batch bucket up to ``verify_max_seqs`` (the target-verify graphs); 0 = none.
@@ -149,7 +150,9 @@ class ModelRunner:
         self.num_fused_linears = 0  # linear calls removed from the compiled graph
         self.num_small_linears = 0  # linear calls sent through paged_ops::small_linear
         if compile:
-            if rope_tables:
+            # (regions run the model's own forward, the rotary module included, eagerly between
+            # the compiled layers: a table there would only be built and bypassed)
+            if rope_tables and not compile_regions:
                 builder = pa.builder
                 positions = builder.max_blocks_per_seq * builder.block_size  # all it can cache
                 self.rope_tables = RopeTables(model, positions, self.device)
