@@ -474,9 +474,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     import compare_engines  # (imports this module: not at the top)
 
-    _, args.llm, inductor = compare_engines.parse_variant(":" + args.llm)
-    if inductor:
-        parser.error(f"--llm: Inductor options {sorted(inductor)} belong to compare_engines.py")
+    args.llm = compare_engines.llm_keywords(args.llm)
     if args.quick:
         args.new_tokens, args.batches = 64, "1,64"
     if args.long_prompts:

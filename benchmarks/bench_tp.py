@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.profile_batches = [int(b) for b in args.profile_batches.split(",") if b]
-    args.llm = compare_engines.parse_variant(":" + args.llm)[1]
+    args.llm = compare_engines.llm_keywords(args.llm)
     return args
 
 

@@ -54,6 +54,15 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     return name or body, kwargs, inductor
 
 
+def llm_keywords(text: str) -> dict[str, Any]:
+    """A script's ``--llm "k=v,..."``: LLM keywords, values read as Python literals. Inductor
+    options (``inductor.*``) are refused: they take a variant of this script to apply."""
+    _, kwargs, inductor = parse_variant(":" + text)
+    if inductor:
+        raise SystemExit(f"--llm: Inductor options {sorted(inductor)} need compare_engines.py")
+    return kwargs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(

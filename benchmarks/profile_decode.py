@@ -133,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     import compare_engines
 
-    _, llm_kwargs, _ = compare_engines.parse_variant(":" + args.llm)
+    llm_kwargs = compare_engines.llm_keywords(args.llm)
 
     from paged_ops import LLM
 
