@@ -26,7 +26,6 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -83,7 +82,7 @@ class RopeTables:
                             "positions differs from its rows", name, type(module).__name__)  # fmt: skip
                 continue
             self.table_bytes += sum(c.nbytes + s.nbytes for c, s in tables.values())
-            forward = _lookup(module, tables, with_layer_type=variants != [None])
+            forward = _lookup(module, tables)
             module.forward = forward
             self.installed.append((module, forward))
 
@@ -123,31 +122,20 @@ def _tabulate(
 
 
 def _lookup(
-    module: nn.Module,
-    tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
-    *,
-    with_layer_type: bool,
+    module: nn.Module, tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]]
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """The replacement ``forward``: rows of the tables at ``position_ids``, in ``x``'s dtype, in
     compiled code (the engine's forward); an eager call (the model used directly while the LLM
-    lives) runs the module's own forward, so no position beyond the tables is ever looked up."""
+    lives) runs the module's own forward, so no position beyond the tables is ever looked up.
+    ``layer_type`` is given by the modules that tabulate per layer type (their own signature)."""
     own = type(module).forward.__get__(module)
 
-    def rows(x: torch.Tensor, position_ids: torch.Tensor, variant: Any = None):
+    def forward(x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
         if not torch.compiler.is_compiling():
-            return own(x, position_ids) if variant is None else own(x, position_ids, variant)
-        cos, sin = tables[variant]  # [P, D] float32 each
+            extra = () if layer_type is None else (layer_type,)
+            return own(x, position_ids, *extra)
+        cos, sin = tables[layer_type]  # [P, D] float32 each
         # position_ids [B, T] -> cos, sin [B, T, D]
         return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
-
-    if with_layer_type:
-
-        def forward(x: torch.Tensor, position_ids: torch.Tensor, layer_type: str):
-            return rows(x, position_ids, layer_type)
-
-        return forward
-
-    def forward(x: torch.Tensor, position_ids: torch.Tensor):  # (the module's own signature)
-        return rows(x, position_ids)
 
     return forward
