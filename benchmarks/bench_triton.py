@@ -7,6 +7,7 @@ several replays of ``--calls`` back-to-back kernel calls. Decode reports KV byte
     python benchmarks/bench_triton.py --json out.json [--sweep]
     python benchmarks/bench_triton.py --head-dim 256 --sweep --sweep-kinds decode   # D=256 tiles
     python benchmarks/bench_triton.py --kv-dtype fp8_e4m3 --sweep --sweep-kinds decode  # FP8 cache
+    python benchmarks/bench_triton.py --compare '' l2_prefetch=1 --rounds 5   # alternating A/B
 
 With an FP8 cache (``--kv-dtype``) the decode sweep covers 64 x 4096 and 256 x 4096 (issue 11's
 shapes) over ``decode_candidates`` (at D <= 64 with two KV heads per program); scales are 1.0.
@@ -113,6 +114,38 @@ def decode_rows(
                      segments=cfg.num_segments if nseg is None else nseg,
                      us=sec * 1e6, tb_per_s=kv_bytes / sec / 1e12)
             )  # fmt: skip
+    return rows
+
+
+def compare_rows(calls: int, shapes, specs: list[str], rounds: int) -> list[dict]:
+    """Alternating A/B of launch overrides on the default decode launch: per shape, ``rounds``
+    rounds that time every spec of ``specs`` (``"field=value,..."``; ``""`` is the default) back
+    to back, the order reversed every other round; one row per spec with the median time, every
+    round's time, and the largest output difference from the first spec's (0 for a change that
+    must not alter results)."""
+    rows = []
+    for batch, ctx in shapes:
+        args = make_step([1] * batch, [ctx] * batch)
+        kv_bytes = batch * ctx * 2 * HKV * D * KV_DTYPE.itemsize
+        default = default_config(args)
+        cfgs = [
+            dataclasses.replace(default, **(tb.parse_launch_overrides(sp) if sp else {}))
+            for sp in specs
+        ]
+        outs = [attention(args, config=c)() for c in cfgs]
+        diffs = [float((o.float() - outs[0].float()).abs().max()) for o in outs]
+        times: list[list[float]] = [[] for _ in specs]
+        for r in range(rounds):
+            order = range(len(specs)) if r % 2 == 0 else reversed(range(len(specs)))
+            for i in order:
+                times[i].append(time_graph(attention(args, config=cfgs[i]), calls) * 1e6)
+        for sp, t, diff in zip(specs, times, diffs, strict=True):
+            us = statistics.median(t)
+            rows.append(
+                dict(kind="compare", batch=batch, context=ctx, spec=sp or "default",
+                     us=us, rounds_us=t, tb_per_s=kv_bytes / us / 1e6, max_abs_diff=diff)
+            )  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -253,6 +286,11 @@ def main() -> None:
                         "candidates (default: 1, 2 and the default launch's)")  # fmt: skip
     parser.add_argument("--sweep-shapes", default=None, help="decode shapes of --sweep (batch "
                         "x context list; default 64x4096,256x4096 FP8, else 8x16384,64x4096)")  # fmt: skip
+    parser.add_argument("--compare", nargs="+", default=None, metavar="SPEC",
+                        help="instead of the tables: alternating rounds of these launch "
+                        "overrides on the decode shapes ('' = the default launch), e.g. "
+                        "'' l2_prefetch=1 l2_prefetch=2")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of --compare")
     a = parser.parse_args()
     globals()["D"] = a.head_dim  # every helper reads the module's D and KV_DTYPE
     globals()["KV_DTYPE"] = KV_DTYPES[a.kv_dtype]
@@ -262,6 +300,17 @@ def main() -> None:
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.decode_shapes.split(",")]
     splits = tuple(int(n) for n in a.splits.split(","))
     override = tb.parse_launch_overrides(a.override) if a.override else None
+    if a.compare:
+        rows = compare_rows(a.calls, shapes, a.compare, a.rounds)
+        print(f"{'batch':>6} {'ctx':>6} {'spec':28} {'median us':>10} {'TB/s':>6} {'max diff':>9}")
+        for r in rows:
+            print(f"{r['batch']:>6} {r['context']:>6} {r['spec']:28} {r['us']:>10.1f} "
+                  f"{r['tb_per_s']:>6.2f} {r['max_abs_diff']:>9.2e}")  # fmt: skip
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(dict(device=device, torch=torch.__version__, head_dim=D,
+                               kv_dtype=a.kv_dtype, rows=rows), f, indent=1)  # fmt: skip
+        return
     rows = decode_rows(a.calls, shapes, splits, override)
     if KV_DTYPE.itemsize == 2:  # the KV-write row is a bf16 measurement
         rows += [*prefill_rows(a.calls), write_kv_row(a.calls)]
