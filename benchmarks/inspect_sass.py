@@ -45,8 +45,7 @@ def load_kernels():
 
 def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int, arch: int,
                    maxnreg: int | None = None, kv_heads: int = 1, v_pairs: bool = False,
-                   segments: int = 2, first_blocks: bool = False,
-                   l2_prefetch: int = 0) -> tuple[bytes, int]:  # fmt: skip
+                   segments: int = 2, first_blocks: bool = False) -> tuple[bytes, int]:  # fmt: skip
     """The cubin of ``paged_attention_kernel`` for one decode launch (bf16 queries) and its
     shared memory in bytes."""
     import triton
@@ -64,10 +63,6 @@ def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
         KV_HEADS=kv_heads, V_PAIRS=fp8 and v_pairs, FIRST_BLOCKS=first_blocks,
         HEADS_FASTEST=True, **{n: 1 for n in UNIT_STRIDES},
     )  # fmt: skip
-    # as the launcher's _l2_prefetch_args: the 128-byte lines of a program's K row
-    line, row = (128 if fp8 else 64), kv_heads * head_dim
-    const.update(L2_PREFETCH=l2_prefetch, PF_ROW=row, PF_LINE=line,
-                 PF_LINES=triton.next_power_of_2(triton.cdiv(row, line)))  # fmt: skip
     pointers = {
         "q_ptr": "*bf16",
         "cache_ptr": "*fp8e4nv" if fp8 else "*bf16",
@@ -136,8 +131,7 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
 
 def inspect_config(kv: str, head_dim: int, tile_n: int, stages: int, warps: int, arch: int,
                    maxnreg: int | None = None, kv_heads: int = 1, v_pairs: bool = False,
-                   segments: int = 2, first_blocks: bool = False,
-                   l2_prefetch: int = 0) -> dict:  # fmt: skip
+                   segments: int = 2, first_blocks: bool = False) -> dict:  # fmt: skip
     cubin, shared = compile_decode(
         kv,
         head_dim,
@@ -150,7 +144,6 @@ def inspect_config(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
         v_pairs,
         segments,
         first_blocks,
-        l2_prefetch,
     )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -162,9 +155,7 @@ def inspect_config(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     size, ops = loop_mix(sass)
-    loads = collections.Counter(
-        re.findall(r"\b((?:LDG|LDS|LDSM|LDGSTS|CCTL)(?:\.[A-Z0-9]+)*)", sass)
-    )
+    loads = collections.Counter(re.findall(r"\b((?:LDG|LDS|LDSM|LDGSTS)(?:\.[A-Z0-9]+)*)", sass))
     # cp.async waits: "DEPBAR.LE SB0, n" lets n groups stay in flight (the prefetch depth)
     waits = collections.Counter(re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", sass))
     return dict(kv=kv, head_dim=head_dim, tile_n=tile_n, stages=stages, warps=warps,
@@ -195,9 +186,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         action="store_true",
         help="each sequence's first query block first (the kernel's FIRST_BLOCKS)",
     )
-    p.add_argument(
-        "--l2-prefetch", type=int, default=0, help="tiles ahead to prefetch into L2 (L2_PREFETCH)"
-    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import triton
@@ -209,7 +197,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             tile_n, stages, warps = (int(x) for x in config.split("/"))
             row = inspect_config(kv, args.head_dim, tile_n, stages, warps, args.arch, args.maxnreg,
                                  args.kv_heads, args.v_pairs, args.segments,
-                                 args.first_blocks, args.l2_prefetch)  # fmt: skip
+                                 args.first_blocks)  # fmt: skip
             rows.append(row)
             top = ", ".join(f"{k} {v}" for k, v in list(row["opcodes"].items())[:8])
             print(f"{kv:>5} tile {tile_n:>3} stages {stages} warps {warps}: {row['registers']} "

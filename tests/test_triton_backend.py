@@ -525,27 +525,3 @@ def test_launch_overrides_parse_field_values_and_refuse_unknown_fields():
     )
     with pytest.raises(ValueError, match="'stages=3' is not field=value"):
         triton_backend.parse_launch_overrides("stages=3")
-
-
-def test_l2_prefetch_constants_cover_a_programs_row_in_128_byte_lines(monkeypatch):
-    """The kernel's L2 prefetch asks for the 128-byte lines of each K/V row a program reads: off
-    unless asked, off under the interpreter (inline PTX) and where a program's row is not
-    contiguous (its lines would not cover it)."""
-    args = triton_backend._l2_prefetch_args
-    cfg = triton_backend.LaunchConfig(16, 4, 128, 1, 4, 3, l2_prefetch=1)
-    fp8 = torch.empty(2, 2, 16, 8, 128, dtype=torch.float8_e4m3fn)
-    bf16 = torch.empty(2, 2, 16, 8, 96, dtype=torch.bfloat16)
-    monkeypatch.setattr(triton_backend, "_interpreting", lambda: True)
-    assert args(cfg, fp8, 128) == {}
-    monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)
-    assert args(dataclasses.replace(cfg, l2_prefetch=0), fp8, 128) == {}
-    assert args(cfg, fp8, 128) == dict(L2_PREFETCH=1, PF_ROW=128, PF_LINES=1, PF_LINE=128)
-    # bf16 D=96: 192 bytes, two lines (the second one half used)
-    assert args(cfg, bf16, 96) == dict(L2_PREFETCH=1, PF_ROW=96, PF_LINES=2, PF_LINE=64)
-    # two FP8 heads of 64 per program: one 128-byte line per row
-    pairs = dataclasses.replace(cfg, kv_heads=2, l2_prefetch=2)
-    fp8_64 = torch.empty(2, 2, 16, 8, 64, dtype=torch.float8_e4m3fn)
-    assert args(pairs, fp8_64, 64) == dict(L2_PREFETCH=2, PF_ROW=128, PF_LINES=1, PF_LINE=128)
-    # heads not adjacent in memory: a pair's row is two pieces
-    apart = torch.empty(2, 2, 16, 8, 128, dtype=torch.float8_e4m3fn)[..., :64]
-    assert args(pairs, apart, 64) == {}

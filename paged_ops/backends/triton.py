@@ -140,9 +140,6 @@ class LaunchConfig:
     # (unified kernel; decode steps by default): a one-token-per-sequence step's
     # working programs come first, with no empty ones among them (kernels._locate_query_block)
     first_blocks: int = 0
-    # > 0: the unified kernel asks L2 for the K/V rows of the tile this many tiles ahead
-    # (``prefetch.global.L2``; GPU only, ignored under the interpreter)
-    l2_prefetch: int = 0
 
 
 def parse_launch_overrides(spec: str) -> dict:
@@ -269,20 +266,6 @@ def _fp8_decode_segments(programs: int, kv_tiles: int, at_least: int, slots: int
     while options[-1] * 2 <= min(MAX_SEGMENTS, kv_tiles // 4):
         options.append(options[-1] * 2)
     return min(options, key=cost)
-
-
-def _l2_prefetch_args(cfg: LaunchConfig, kv_cache: torch.Tensor, head_dim: int) -> dict:
-    """The unified kernel's L2 prefetch constants: off under the interpreter (inline PTX) and
-    where a program's K row is not contiguous (the lines would not cover it)."""
-    if cfg.l2_prefetch <= 0 or _interpreting():
-        return {}
-    row = cfg.kv_heads * head_dim  # cache elements of one K row of a program
-    contiguous = kv_cache.stride(-1) == 1 and (cfg.kv_heads == 1 or kv_cache.stride(3) == head_dim)
-    if not contiguous:
-        return {}
-    line = 128 // kv_cache.element_size()
-    lines = triton.next_power_of_2(triton.cdiv(row, line))
-    return dict(L2_PREFETCH=cfg.l2_prefetch, PF_ROW=row, PF_LINES=lines, PF_LINE=line)
 
 
 def _v_pairs_fit(kv_cache: torch.Tensor, head_dim: int) -> bool:
@@ -491,7 +474,6 @@ def paged_attention(
         HEADS_FASTEST=heads_fastest,
         V_PAIRS=bool(cfg.v_pairs),
         FIRST_BLOCKS=bool(cfg.first_blocks),
-        **_l2_prefetch_args(cfg, kv_cache, head_dim),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),

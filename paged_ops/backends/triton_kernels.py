@@ -141,21 +141,6 @@ def _fp8_pairs_to_float16(
 
 
 @triton.jit
-def _prefetch_l2(ptrs, mask):
-    """Ask L2 for the 128-byte line holding each of ``ptrs`` (where ``mask``): no registers or
-    shared memory wait for it, so a copy issued later finds the line on its way or there.
-    GPU only (inline PTX); the launcher never sets L2_PREFETCH under the interpreter."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-        "=r,l,r",
-        [ptrs, mask.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _float16_query(q, scale):
     """FP8 cache, 16-bit queries: ``q`` [BLOCK_M, D_PAD] as float16 and the softmax scale to use.
 
@@ -418,10 +403,6 @@ def paged_attention_kernel(
     HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, query blocks, segments)
     V_PAIRS: tl.constexpr = False,  # F16_DOT, HEAD_DIM == D_PAD, unit stride: V as int16 pairs
     FIRST_BLOCKS: tl.constexpr = False,  # each sequence's first query block first (decode)
-    L2_PREFETCH: tl.constexpr = 0,  # > 0: ask L2 for the K/V rows this many tiles ahead
-    PF_ROW: tl.constexpr = 128,  # cache elements of a program's K (or V) row
-    PF_LINES: tl.constexpr = 1,  # 128-byte lines that cover it (a power of two)
-    PF_LINE: tl.constexpr = 128,  # cache elements per 128-byte line
 ):
     if HEADS_FASTEST:  # programs of one query block's heads run together (they read the same pages)
         pid = tl.program_id(1)
@@ -516,19 +497,7 @@ def paged_attention_kernel(
             scale = scale * tl.load(k_scale_ptr + (kv_head + row_head) * stride_ks)[:, None]
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     kv_base = cache_ptr + kv_head * stride_ch
-    if L2_PREFETCH > 0:
-        pf_end = tl.minimum(tile_hi * TILE_N, kv_len)  # this program's last KV position + 1
-        pf_line = tl.arange(0, PF_LINES) * PF_LINE  # [PF_LINES]
     for tile in range(tile_lo, tile_hi):
-        if L2_PREFETCH > 0:  # the rows of tile + L2_PREFETCH, K and V
-            offs_a = (tile + L2_PREFETCH) * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
-            a_valid = offs_a < pf_end
-            blk_a = tl.load(table_row + offs_a // BLOCK_SIZE, mask=a_valid, other=0).to(tl.int64)
-            rows_a = kv_base + blk_a * stride_cn + (offs_a % BLOCK_SIZE) * stride_cb
-            lines = rows_a[:, None] + pf_line[None, :]  # [TILE_N, PF_LINES]
-            line_valid = a_valid[:, None] & (pf_line[None, :] < PF_ROW)
-            _prefetch_l2(lines, line_valid)
-            _prefetch_l2(lines + stride_ckv, line_valid)
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] KV positions
         n_valid = offs_n < kv_len
         blk = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
