@@ -28,6 +28,7 @@ import triton
 
 from paged_ops.backends import LayerSpec
 from paged_ops.backends import triton_kernels as kernels
+from paged_ops.backends.triton_launch import launch
 from paged_ops.fp8 import fp8_format, is_fp8
 
 MAX_HEAD_DIM = 256
@@ -80,7 +81,9 @@ def write_kv(
     if num_tokens == 0:
         return
     fp8 = fp8_format(kv_cache.dtype)
-    kernels.write_kv_kernel[(num_tokens,)](
+    launch(
+        kernels.write_kv_kernel,
+        (num_tokens,),
         key,
         value,
         kv_cache,
@@ -386,7 +389,9 @@ def paged_attention(
         if cfg.num_segments != 1:
             raise ValueError(f"{cfg} (kernel='prefill') takes one segment")
         grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads)
-        kernels.prefill_attention_kernel[grid](
+        launch(
+            kernels.prefill_attention_kernel,
+            grid,
             out,
             query,
             cache_arg,
@@ -431,7 +436,9 @@ def paged_attention(
     blocks, head_programs = num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads // cfg.kv_heads
     heads_fastest = bool(cfg.heads_fastest) and blocks <= 65535  # (a grid's y limit)
     grid = (head_programs, blocks, nseg) if heads_fastest else (blocks, head_programs, nseg)
-    kernels.paged_attention_kernel[grid](
+    launch(
+        kernels.paged_attention_kernel,
+        grid,
         target,
         part_m,
         part_l,
@@ -479,7 +486,9 @@ def paged_attention(
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     if nseg > 1:
-        kernels.reduce_segments_kernel[(num_tokens, num_q_heads)](
+        launch(
+            kernels.reduce_segments_kernel,
+            (num_tokens, num_q_heads),
             out,
             part_acc,
             part_m,
