@@ -130,30 +130,3 @@ def test_samples_logprobs_and_penalties_under_compile_graphs_and_overlap():
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def test_warm_up_compiles_every_triton_variant_ahead_then_serves_hf_greedy():
-    """The warm-up's parallel pass (``backends/triton_launch.compile_ahead``) builds the package's
-    Triton variants of every later warm-up step and graph bucket: none is compiled after it (in
-    the real runs or the captures), and the engine then serves HF's greedy tokens. Head size 32
-    and a GQA group of 3, which no other GPU test uses, so this process has not built them yet."""
-    from paged_ops.backends.triton_launch import can_compile_ahead
-
-    if not can_compile_ahead():
-        pytest.skip("this Triton has no AsyncCompileMode (or PAGED_OPS_COMPILE_AHEAD=0)")
-    torch._dynamo.reset()
-    ref = small_llama(torch.bfloat16, hidden=192, heads=6)
-    llm = LLM(copy.deepcopy(ref), max_num_seqs=16, max_model_len=256,
-              gpu_memory_utilization=0.5)  # fmt: skip
-    times = llm.warmup_breakdown
-    assert times["variants_ahead"] > 0 and times["variants_late"] == 0, times
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (3, 50, 120)]
-    for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_new_tokens=16)),
-                           strict=True):  # fmt: skip
-        assert_greedy_agrees(ref, prompt, out.token_ids, 0.15)
-    llm.close()
-    del llm
-    torch._dynamo.reset()
-    gc.collect()
-    torch.cuda.empty_cache()

@@ -28,7 +28,6 @@ import triton
 
 from paged_ops.backends import LayerSpec
 from paged_ops.backends import triton_kernels as kernels
-from paged_ops.backends.triton_launch import launch
 from paged_ops.fp8 import fp8_format, is_fp8
 
 MAX_HEAD_DIM = 256
@@ -81,9 +80,7 @@ def write_kv(
     if num_tokens == 0:
         return
     fp8 = fp8_format(kv_cache.dtype)
-    launch(
-        kernels.write_kv_kernel,
-        (num_tokens,),
+    kernels.write_kv_kernel[(num_tokens,)](
         key,
         value,
         kv_cache,
@@ -389,9 +386,7 @@ def paged_attention(
         if cfg.num_segments != 1:
             raise ValueError(f"{cfg} (kernel='prefill') takes one segment")
         grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads)
-        launch(
-            kernels.prefill_attention_kernel,
-            grid,
+        kernels.prefill_attention_kernel[grid](
             out,
             query,
             cache_arg,
@@ -436,9 +431,7 @@ def paged_attention(
     blocks, head_programs = num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads // cfg.kv_heads
     heads_fastest = bool(cfg.heads_fastest) and blocks <= 65535  # (a grid's y limit)
     grid = (head_programs, blocks, nseg) if heads_fastest else (blocks, head_programs, nseg)
-    launch(
-        kernels.paged_attention_kernel,
-        grid,
+    kernels.paged_attention_kernel[grid](
         target,
         part_m,
         part_l,
@@ -486,9 +479,7 @@ def paged_attention(
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     if nseg > 1:
-        launch(
-            kernels.reduce_segments_kernel,
-            (num_tokens, num_q_heads),
+        kernels.reduce_segments_kernel[(num_tokens, num_q_heads)](
             out,
             part_acc,
             part_m,

@@ -32,8 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_ops.backends.triton_launch import launch
-
 SMEM_BUDGET = 128 * 1024  # bytes of pipelined stage buffers the default configs stay under
 
 
@@ -217,9 +215,7 @@ def small_linear(
     target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     has_bias = bias is not None
     grid = (triton.cdiv(n, config.block_n), split)
-    launch(
-small_linear_kernel,
-grid,
+    small_linear_kernel[grid](
         x, weight, bias if has_bias else x, target,
         m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), k_per_split,
         HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -229,9 +225,7 @@ grid,
     )  # fmt: skip
     if split > 1:
         block = 1024
-        launch(
-split_k_reduce_kernel,
-(triton.cdiv(m * n, block),),
+        split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
             target, bias if has_bias else target, out, m * n, n,
             HAS_BIAS=has_bias, SPLIT_K=split, BLOCK=block, num_warps=4,
         )  # fmt: skip

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from paged_ops.backends.triton_launch import can_compile_ahead, compile_ahead, compiled_variants
 from paged_ops.engine import fusion
 from paged_ops.engine.regions import CompiledRegions, own_code
 from paged_ops.engine.rope_tables import RopeTables
@@ -372,11 +371,7 @@ class ModelRunner:
             where the time went (also kept as ``warmup_breakdown``), seconds unless a count:
             ``compile_s`` the first forward (Dynamo's trace, then Inductor's compile or its FX
             graph cache; eager without ``compile``), ``shapes_s`` the other ``num_shapes - 1``
-            warm-up steps (kernel variants JIT-built or loaded from Triton's cache; on a GPU
-            first a pass over them and the graph buckets that only compiles the package's
-            Triton variants, in parallel: ``compile_ahead_s``, ``variants_ahead`` built there,
-            ``variants_late`` built after it, one at a time: 0 unless the pass missed some;
-            ``PAGED_OPS_COMPILE_AHEAD=0`` turns the pass off),
+            warm-up steps (kernel variants JIT-built or loaded from Triton's cache),
             ``graph_warmup_s`` the runs before captures, ``capture_s`` the ``num_graphs``
             captures, ``capture_each_s`` each bucket's run + capture.
         """
@@ -392,83 +387,55 @@ class ModelRunner:
         finally:
             allocator.free([block])
 
-    def _warm_up_step(
-        self, block: int, per_seq: int, seqs: int, tokens: int, rows: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One warm-up step: ``seqs`` sequences of ``per_seq`` tokens on ``block`` (the step
-        padded to ``tokens``), logits at ``rows`` (default: each sequence's last token)."""
-        slices = [SequenceSlice([block] * -(-per_seq // self.pa.block_size), 0, per_seq)] * seqs
-        self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
-        self._load_ids([0] * (per_seq * seqs), tokens)
-        return self._call(tokens, rows)
-
-    def _bucket_step(self, bucket: int, per_seq: int) -> tuple:
-        """The warm-up step of a graph bucket: ``bucket`` sequences of ``per_seq`` tokens (a
-        verify graph: logits at each of them)."""
-        rows = None if per_seq == 1 else self.logit_rows[: bucket * per_seq]
-        return per_seq, bucket, bucket * per_seq, rows
-
     def _warm_up(self, block: int) -> dict[str, Any]:
         shapes = self._warm_up_shapes()
         times: dict[str, Any] = dict(compile_s=0.0, shapes_s=0.0, num_shapes=len(shapes))
-        # (per_seq, seqs, tokens, logit rows) of every step the warm-up runs before the graphs
-        steps = [(min(t // s, self.pa.max_model_len), s, t, None) for t, s in shapes]
+        for i, (tokens, seqs) in enumerate(shapes):
+            t0 = time.perf_counter()
+            n = min(tokens // seqs, self.pa.max_model_len)
+            slices = [SequenceSlice([block] * -(-n // self.pa.block_size), 0, n)] * seqs
+            self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
+            self._load_ids([0] * (n * seqs), tokens)
+            self._call(tokens)
+            times["compile_s" if i == 0 else "shapes_s"] += self._elapsed(t0)
         if self.verify_tokens and self._compiled:  # logits at every token: R = T rows
+            t0 = time.perf_counter()
             n, seqs = self.verify_tokens + 1, min(2, self.max_num_seqs)
-            steps.append((n, seqs, n * seqs, self.logit_rows[: n * seqs]))
+            slices = [SequenceSlice([block] * -(-n // self.pa.block_size), 0, n)] * seqs
+            self.pa.prepare_slices(slices, num_tokens=n * seqs, num_seqs=seqs)
+            self._load_ids([0] * (n * seqs), n * seqs)
+            self._call(n * seqs, self.logit_rows[: n * seqs])
+            times["shapes_s"] += self._elapsed(t0)
             times["num_shapes"] += 1
-        # Graph buckets: largest first (later graphs reuse its pool), then verify graphs
-        # (k + 1 tokens per sequence, logits at each).
+        times.update(graph_warmup_s=0.0, capture_s=0.0, num_graphs=0, capture_each_s={})
+        self.warmup_breakdown = times
+        if not self.use_graphs:
+            return times
+        # Captures run one after another: torch captures one graph per stream at a time, and every
+        # bucket's capture arms the same PagedAttention step state (metadata buffers, plans).
+        # Largest first: later graphs reuse its pool. Verify graphs (k + 1 tokens per sequence,
+        # logits at each) share the pool too.
         k = self.verify_tokens
         plan = [(b, 1, self._graphs) for b in reversed(self.buckets)]
         plan += [(b, k + 1, self._verify_graphs) for b in reversed(self.verify_buckets)]
-        # A bucket's step runs once outside its capture, so that its kernel variants (its KV
-        # split, Triton's integer specialisations) compile and Inductor's kernels autotune
-        # there, never inside the capture; a decode bucket whose exact step (one new token per
-        # sequence, one block) was among the warm-up shapes has met them.
-        pre_run = {(b, p) for b, p, _ in plan if (b * p, b) not in shapes or p > 1}
-        t0 = time.perf_counter()
-        self._warm_up_step(block, *steps[0])  # Dynamo's trace, Inductor's compile (or caches)
-        times["compile_s"] = self._elapsed(t0)
-        t0 = time.perf_counter()
-        ahead = self.device.type == "cuda" and can_compile_ahead()
-        if ahead:
-            # Every later step once with the package's Triton launches only compiling, in
-            # parallel (outputs unwritten), then for real with the variants built.
-            before = compiled_variants()
-            with compile_ahead():
-                for step in steps[1:] + [self._bucket_step(b, p) for b, p, _ in plan]:
-                    self._warm_up_step(block, *step)
-            times["variants_ahead"] = compiled_variants() - before
-            times["compile_ahead_s"] = self._elapsed(t0)
-            before = compiled_variants()
-        for step in steps[1:]:
-            self._warm_up_step(block, *step)
-        times["shapes_s"] = self._elapsed(t0)
-        times.update(graph_warmup_s=0.0, capture_s=0.0, num_graphs=0, capture_each_s={})
-        self.warmup_breakdown = times
-        if self.use_graphs:
-            self._capture_graphs(block, plan, pre_run, times)
-        if ahead:  # variants the parallel pass missed (compiled one at a time after it)
-            times["variants_late"] = compiled_variants() - before
-        return times
-
-    def _capture_graphs(
-        self, block: int, plan: list[tuple[int, int, dict]], pre_run: set, times: dict[str, Any]
-    ) -> None:
-        # Captures run one after another: torch captures one graph per stream at a time, and every
-        # bucket's capture arms the same PagedAttention step state (metadata buffers, plans).
         pool = None
         for bucket, per_seq, graphs in plan:
             t0 = time.perf_counter()
-            _, _, tokens, rows = step = self._bucket_step(bucket, per_seq)
-            if (bucket, per_seq) in pre_run:
-                self._warm_up_step(block, *step)
+            tokens = bucket * per_seq
+            blocks = [block] * -(-per_seq // self.pa.block_size)
+            slices = [SequenceSlice(blocks, 0, per_seq)] * bucket
+            rows = None if per_seq == 1 else self.logit_rows[:tokens]
+            if (tokens, bucket) not in shapes or per_seq > 1:
+                # Run the step once outside the capture: kernel variants of this bucket (its
+                # KV split, Triton's integer specialisations) compile and Inductor's kernels
+                # autotune here, never inside the capture. A decode bucket whose exact step (one
+                # new token per sequence, one block) was among the warm-up shapes has met them.
+                self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=bucket)
+                self._load_ids([0] * tokens, tokens)
+                self._call(tokens, rows)
                 times["graph_warmup_s"] += self._elapsed(t0)
             t1 = time.perf_counter()
             # a forward consumes its prepared step: the captured one gets its own, as each replay
-            blocks = [block] * -(-per_seq // self.pa.block_size)
-            slices = [SequenceSlice(blocks, 0, per_seq)] * bucket
             self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=bucket)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -479,6 +446,7 @@ class ModelRunner:
             name = bucket if per_seq == 1 else f"verify{bucket}"
             times["capture_each_s"][name] = round(self._elapsed(t0), 4)
             times["num_graphs"] += 1
+        return times
 
 
 def format_breakdown(times: dict[str, Any]) -> str:
@@ -488,11 +456,6 @@ def format_breakdown(times: dict[str, Any]) -> str:
         f"{times['shapes_s']:.2f} s, {times['num_graphs']} graphs {times['graph_warmup_s']:.2f} s "
         f"warm-up + {times['capture_s']:.2f} s capture"
     )
-    if "variants_ahead" in times:
-        line += (
-            f" ({times['variants_ahead']} Triton variants compiled ahead in "
-            f"{times['compile_ahead_s']:.2f} s, {times.get('variants_late', 0)} late)"
-        )
     if "setup_s" in times:
         line = f"setup {times['setup_s']:.2f} s, " + line
     if "total_s" in times:
