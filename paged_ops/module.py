@@ -179,6 +179,7 @@ class PagedAttention(nn.Module):
             )
             for cfg in self.layers
         ]
+        self.layer_specs = specs  # what each layer's backend must serve
         self.routing = LayerRouting(self, backend, specs, self.layers)
         self.planners = self.routing.planners
         # (backend, plan handle) each layer's op is called with: a backend, or "by_step" and a

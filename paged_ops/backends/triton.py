@@ -21,10 +21,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from paged_ops.backends import LayerSpec
 from paged_ops.backends import triton_kernels as kernels
@@ -64,8 +64,19 @@ def unsupported_reason(spec: LayerSpec, device: torch.device) -> str | None:
     return None
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (>= 1), as ``triton.next_power_of_2``, whose wrapper
+    (a ``ConstexprFunction``) costs ~1.4 us a call: ``launch_config`` runs per layer on every
+    eager step, and a warm-up plan probes it thousands of times."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def _d_pad(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, _next_power_of_2(head_dim))
 
 
 def write_kv(
@@ -95,7 +106,7 @@ def write_kv(
         num_kv_heads,
         head_dim,
         BLOCK_SIZE=kv_cache.shape[2],
-        H_PAD=triton.next_power_of_2(num_kv_heads),
+        H_PAD=_next_power_of_2(num_kv_heads),
         D_PAD=_d_pad(head_dim),
         QUANTIZE=is_fp8(kv_cache.dtype),
         USE_K_SCALE=k_scale is not None,
@@ -203,7 +214,7 @@ def launch_config(
     pairs = fp8_decode and d_pad == 64 and num_kv_heads % 2 == 0 and num_seqs * num_kv_heads >= 16
     kv_heads = 2 if pairs else 1
     rows_per_token = group * kv_heads
-    block_m = max(16 if decode_like else 64, triton.next_power_of_2(rows_per_token))
+    block_m = max(16 if decode_like else 64, _next_power_of_2(rows_per_token))
     block_q = block_m // rows_per_token
     # D=256: 64-wide KV tiles for decode (H200 sweep: 655 -> 497 us at 64 x 4096, 348 -> 264 us at
     # 8 x 16384); prefill keeps 32 (its 64-row M tile and fp32 accumulator fill the registers).
@@ -214,16 +225,16 @@ def launch_config(
         tile_n = 128
     if num_segments is None:
         programs = (num_tokens // block_q + num_seqs + 1) * (num_kv_heads // kv_heads)
-        kv_tiles = triton.cdiv(max(max_kv_len, 1), tile_n)
+        kv_tiles = _cdiv(max(max_kv_len, 1), tile_n)
         num_segments = 1
         if programs < num_sms and kv_tiles >= 4:
-            want = triton.cdiv(4 * num_sms, programs)  # ~4 waves: measured best on H200
-            num_segments = min(MAX_SEGMENTS, triton.next_power_of_2(want), kv_tiles // 2)
+            want = _cdiv(4 * num_sms, programs)  # ~4 waves: measured best on H200
+            num_segments = min(MAX_SEGMENTS, _next_power_of_2(want), kv_tiles // 2)
             num_segments = 1 << (num_segments.bit_length() - 1)  # a power of two for tl.arange
         if fp8_decode_128:
             # capped at 128 registers, four programs fit on an SM; split only where that fills
             # the waves better than one pass (each split costs ~5%: partials and their reduce)
-            working = max(num_seqs, triton.cdiv(num_tokens, block_q)) * (num_kv_heads // kv_heads)
+            working = max(num_seqs, _cdiv(num_tokens, block_q)) * (num_kv_heads // kv_heads)
             num_segments = _fp8_decode_segments(working, kv_tiles, num_segments, 4 * num_sms)
     if num_segments < 1 or num_segments & (num_segments - 1):
         raise ValueError(f"num_segments must be a power of two >= 1, got {num_segments}")
@@ -232,7 +243,7 @@ def launch_config(
     maxnreg = 128 if fp8_decode_128 and num_warps == 4 else None
     if plain_causal and not decode_like and d_pad <= 128 and num_segments == 1:
         if num_tokens >= 1024 * num_seqs:  # long prompts: 128 x 128 tiles, 8 warps
-            wide = max(128, triton.next_power_of_2(group))
+            wide = max(128, _next_power_of_2(group))
             return LaunchConfig(wide, wide // group, 128, 1, 8, 2, kernel="prefill")
         # An FP8 cache takes the prefill kernel for long prompts only: measured 1.24-1.32x faster
         # than the unified kernel there (H100, 4 x 2048 and 1 x 8192); short-prompt steps were not
@@ -249,6 +260,35 @@ def launch_config(
                         maxnreg=maxnreg, kv_heads=kv_heads,
                         heads_fastest=int(decode_like), v_pairs=int(fp8_decode),
                         first_blocks=int(decode_like))  # fmt: skip
+
+
+def layer_launch_config(
+    spec: LayerSpec, max_kv_len: int, num_sms: int
+) -> Callable[[int, int], LaunchConfig]:
+    """``(T, S) -> LaunchConfig``: what :func:`paged_attention` picks for a layer of ``spec`` in
+    a step of ``T`` tokens and ``S`` sequences, with a block table of ``max_kv_len`` positions on
+    a GPU of ``num_sms`` SMs (each distinct result is a kernel variant to compile)."""
+    plain_causal = (
+        spec.causal
+        and not (spec.sliding_window or 0) > 0
+        and not (spec.softcap or 0) > 0
+        and not spec.has_sinks
+        and not spec.has_alibi
+    )
+    fp8_cache = spec.kv_dtype is not None and is_fp8(spec.kv_dtype)
+    return functools.partial(
+        _launch_config_of_step, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, max_kv_len,
+        num_sms, fp8_cache, plain_causal,
+    )  # fmt: skip
+
+
+def _launch_config_of_step(q_heads, kv_heads, head_dim, max_kv_len, num_sms, fp8_cache,
+                           plain_causal, num_tokens, num_seqs) -> LaunchConfig:  # fmt: skip
+    return launch_config(
+        num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=q_heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, max_kv_len=max_kv_len, num_sms=num_sms, fp8_cache=fp8_cache,
+        plain_causal=plain_causal,
+    )  # fmt: skip
 
 
 def _fp8_decode_segments(programs: int, kv_tiles: int, at_least: int, slots: int) -> int:

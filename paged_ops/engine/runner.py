@@ -53,6 +53,25 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
+def warm_up_shapes(max_num_seqs: int, max_num_tokens: int, on_gpu: bool) -> list[tuple[int, int]]:
+    """``(T, S)`` steps a warm-up runs (before the graph buckets' ``(b, b)``), in order, each once.
+
+    On a GPU they are also where kernels JIT-compile their variants (tiles and KV splits chosen
+    from T and S); the runner adds one step for each triton launch configuration they miss
+    (``ModelRunner._warm_up_shapes``)."""
+    least = min(2, max_num_seqs)  # steps pad to two sequences unless only one fits
+    shapes = [(min(16, max_num_tokens), least), (2, least)]
+    if on_gpu:
+        # Kernels JIT-compile a variant per launch configuration (tiles and KV splits chosen
+        # from T and S, integer specialisations): meet them here, not in the first requests.
+        seq_counts = {s for s in (2, 3, 8, 16, 64, max_num_seqs) if s <= max_num_seqs}
+        for seqs in sorted(seq_counts):
+            for t in (seqs, seqs + 1, 2 * seqs + 1, 64, 255, 1024, 4096, max_num_tokens):
+                if seqs <= t <= max_num_tokens:
+                    shapes.append((t, seqs))
+    return list(dict.fromkeys(shapes))
+
+
 def _no_duck_shapes():  # returns a context manager
     from torch.fx.experimental import _config as fx_config
 
@@ -346,18 +365,30 @@ class ModelRunner:
         return time.perf_counter() - since
 
     def _warm_up_shapes(self) -> list[tuple[int, int]]:
-        """``(T, S)`` steps that the warm-up runs, in order, each once."""
-        least = min(2, self.max_num_seqs)  # steps pad to two sequences unless only one fits
-        shapes = [(min(16, self.max_num_tokens), least), (2, least)]
-        if self.device.type == "cuda":
-            # Kernels JIT-compile a variant per launch configuration (tiles and KV splits chosen
-            # from T and S, integer specialisations): meet them here, not in the first requests.
-            seq_counts = {s for s in (2, 3, 8, 16, 64, self.max_num_seqs) if s <= self.max_num_seqs}
-            for seqs in sorted(seq_counts):
-                for t in (seqs, seqs + 1, 2 * seqs + 1, 64, 255, 1024, 4096, self.max_num_tokens):
-                    if seqs <= t <= self.max_num_tokens:
-                        shapes.append((t, seqs))
-        return list(dict.fromkeys(shapes))
+        """``(T, S)`` steps that the warm-up runs, in order, each once: the fixed list, then on a
+        GPU one step for each triton launch configuration (kernel variant) that a step the
+        engine can run picks and neither the list nor the graph captures meet."""
+        on_gpu = self.device.type == "cuda"
+        shapes = warm_up_shapes(self.max_num_seqs, self.max_num_tokens, on_gpu)
+        if not on_gpu:
+            return shapes
+        from paged_ops.backends import triton as triton_backend
+        from paged_ops.backends.triton_variants import reachable_configs
+
+        k = self.verify_tokens
+        met_steps = shapes + [(b, b) for b in self.buckets]
+        met_steps += [(b * (k + 1), b) for b in self.verify_buckets]
+        max_kv_len = self.pa.builder.max_blocks_per_seq * self.pa.block_size
+        num_sms = triton_backend._num_sms(self.device)
+        extra: list[tuple[int, int]] = []
+        for spec in dict.fromkeys(self.pa.layer_specs):  # each layer kind once
+            config_of = triton_backend.layer_launch_config(spec, max_kv_len, num_sms)
+            met = {config_of(t, s) for t, s in met_steps}
+            reachable = reachable_configs(
+                config_of, self.max_num_seqs, self.max_num_tokens, num_sms
+            )
+            extra += [step for cfg, step in reachable.items() if cfg not in met]
+        return shapes + list(dict.fromkeys(extra))
 
     @torch.inference_mode()
     def warm_up(self) -> dict[str, Any]:

@@ -1,0 +1,92 @@
+"""Which launch configurations of the triton backend the steps of an engine can reach.
+
+Every distinct :class:`~paged_ops.backends.triton.LaunchConfig` is a kernel variant that Triton
+compiles (~0.5 s on an H100 host) the first time a step picks it. An engine's warm-up runs a step
+that picks each configuration once, so that none compiles while it serves: :func:`reachable_configs`
+lists them with a step that picks each, without calling ``launch_config`` for every step of the
+domain (a million at 256 sequences x 4,096 tokens: ~7 s of Python).
+
+It relies on how ``launch_config`` depends on a step's ``T`` tokens and ``S`` sequences (checked
+against the brute force over whole domains in ``tests/test_triton_variants.py``):
+
+* steps are decode-like (``T <= 2 S``) or prefill-like, and within one kind and one ``S`` the
+  configuration depends on ``T`` only through ``T // block_q``, ``ceil(T / block_q)`` and, for
+  prefill-like steps, ``T >= 1024 S`` (long prompts);
+* the KV split comes from the programs ``(T // block_q + S + 1) x heads`` when they are fewer than
+  the SMs, so it only shrinks as ``T`` grows, and a step of ``S >= num_sms`` sequences never splits
+  (its FP8 decode split, from ``max(S, ceil(T / block_q)) x heads``, still varies with both);
+* past those, a decode-like step's configuration depends on ``max(S, ceil(T / block_q))`` alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+Step = tuple[int, int]  # (T tokens, S sequences)
+
+
+def _boundaries(lo: int, hi: int, block_q: int) -> Iterator[int]:
+    """``T`` in ``[lo, hi]`` at which ``T // block_q`` or ``ceil(T / block_q)`` takes a new value."""
+    yield lo
+    k = -(-lo // block_q)
+    while k * block_q <= hi:
+        yield k * block_q
+        if k * block_q + 1 <= hi:
+            yield k * block_q + 1
+        k += 1
+    yield hi
+
+
+def _probe_steps(
+    config_of: Callable[[int, int], Any], max_num_seqs: int, max_num_tokens: int, num_sms: int
+) -> Iterator[Step]:
+    """Steps at which a new configuration can first appear (see the module docstring)."""
+    least = min(2, max_num_seqs)
+    for s in range(least, max_num_seqs + 1):
+        decode_hi = min(2 * s, max_num_tokens)
+        if s <= num_sms:  # the KV split may depend on T: every boundary of the decode range
+            if s <= decode_hi:
+                bq = config_of(s, s).block_q
+                for t in _boundaries(max(s, 2), decode_hi, bq):
+                    yield t, s
+        else:  # decode-like: max(S, ceil(T / block_q)) alone; (S, S) gives the value S
+            yield s, s
+        if 2 * s + 1 > max_num_tokens:
+            continue
+        bq = config_of(2 * s + 1, s).block_q
+        for t in _boundaries(2 * s + 1, max_num_tokens, bq):  # prefill-like: until one pass
+            yield t, s
+            if config_of(t, s).num_segments == 1:
+                break
+        for t in (1024 * s - 1, 1024 * s, max_num_tokens):  # the long-prompt edge, the end
+            if 2 * s + 1 <= t <= max_num_tokens:
+                yield t, s
+    # decode-like steps of S > num_sms whose ceil(T / block_q) exceeds every S (block_q 1)
+    s = max_num_seqs
+    if s > num_sms:
+        for t in range(s + 1, min(2 * s, max_num_tokens) + 1):
+            yield t, s
+
+
+def reachable_configs(
+    config_of: Callable[[int, int], Any], max_num_seqs: int, max_num_tokens: int, num_sms: int
+) -> dict[Any, Step]:
+    """Every configuration ``config_of(T, S)`` takes over the steps an engine can run
+    (``least <= S <= T``, ``S <= max_num_seqs``, ``T <= max_num_tokens``, ``least = min(2,
+    max_num_seqs)``: steps pad to two sequences unless only one fits), with a step that takes it.
+
+    ``config_of`` is ``launch_config`` for one layer kind (heads, head size, cache, causal) on a
+    GPU of ``num_sms`` SMs."""
+    seen: dict[Step, Any] = {}
+
+    def cached(t: int, s: int) -> Any:  # (the probes meet many steps twice)
+        if (t, s) not in seen:
+            seen[t, s] = config_of(t, s)
+        return seen[t, s]
+
+    found: dict[Any, Step] = {}
+    for t, s in _probe_steps(cached, max_num_seqs, max_num_tokens, num_sms):
+        if t >= max(s, 2):
+            found.setdefault(cached(t, s), (t, s))
+    return found
