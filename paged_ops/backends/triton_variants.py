@@ -4,7 +4,7 @@ Every distinct :class:`~paged_ops.backends.triton.LaunchConfig` is a kernel vari
 compiles (~0.5 s on an H100 host) the first time a step picks it. An engine's warm-up runs a step
 that picks each configuration once, so that none compiles while it serves: :func:`reachable_configs`
 lists them with a step that picks each, without calling ``launch_config`` for every step of the
-domain (a million at 256 sequences x 4,096 tokens: ~7 s of Python).
+domain (a million at 256 sequences x 4,096 tokens: 3-4 s of Python).
 
 It relies on how ``launch_config`` depends on a step's ``T`` tokens and ``S`` sequences (checked
 against the brute force over whole domains in ``tests/test_triton_variants.py``):
