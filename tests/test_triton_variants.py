@@ -74,17 +74,16 @@ def test_layer_launch_config_is_what_paged_attention_would_pick():
 def test_the_warm_up_meets_every_configuration_its_steps_can_pick(monkeypatch):
     """Group 7 with 16 sequences: the fixed warm-up list misses the 32-token, 16-sequence step's
     KV split; the runner adds a step for it (and for anything else missed)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from hf_models import build_model
+
     from paged_ops import LLM
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=224, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=1, pad_token_id=0, eos_token_id=None,
-    )  # fmt: skip
-    llm = LLM(transformers.LlamaForCausalLM(cfg).eval(), max_num_seqs=16, max_model_len=4096,
-              max_num_tokens=128, num_blocks=64, compile=False)  # fmt: skip
+    model = build_model("llama", hidden_size=224, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=14, num_key_value_heads=2,
+                        max_position_embeddings=4096)  # fmt: skip
+    llm = LLM(model, max_num_seqs=16, max_model_len=4096, max_num_tokens=128, num_blocks=64,
+              compile=False)  # fmt: skip
     runner = llm.runner
     monkeypatch.setattr(runner, "device", torch.device("cuda"))  # the GPU's list (nothing runs)
     monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 132)

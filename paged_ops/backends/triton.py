@@ -276,19 +276,15 @@ def layer_launch_config(
         and not spec.has_alibi
     )
     fp8_cache = spec.kv_dtype is not None and is_fp8(spec.kv_dtype)
-    return functools.partial(
-        _launch_config_of_step, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, max_kv_len,
-        num_sms, fp8_cache, plain_causal,
-    )  # fmt: skip
 
+    def config_of(num_tokens: int, num_seqs: int) -> LaunchConfig:
+        return launch_config(
+            num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=spec.num_q_heads,
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, max_kv_len=max_kv_len,
+            num_sms=num_sms, fp8_cache=fp8_cache, plain_causal=plain_causal,
+        )  # fmt: skip
 
-def _launch_config_of_step(q_heads, kv_heads, head_dim, max_kv_len, num_sms, fp8_cache,
-                           plain_causal, num_tokens, num_seqs) -> LaunchConfig:  # fmt: skip
-    return launch_config(
-        num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=q_heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, max_kv_len=max_kv_len, num_sms=num_sms, fp8_cache=fp8_cache,
-        plain_causal=plain_causal,
-    )  # fmt: skip
+    return config_of
 
 
 def _fp8_decode_segments(programs: int, kv_tiles: int, at_least: int, slots: int) -> int:
