@@ -130,3 +130,51 @@ def test_samples_logprobs_and_penalties_under_compile_graphs_and_overlap():
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def _triton_variants() -> dict[str, int]:
+    """Compiled variants of each of the triton backend's kernels, all devices."""
+    from triton.runtime.jit import JITFunction
+
+    from paged_ops.backends import triton_kernels
+
+    counts = {}
+    for name, fn in vars(triton_kernels).items():
+        if isinstance(fn, JITFunction):
+            counts[name] = sum(len(caches[0]) for caches in fn.device_caches.values())
+    return counts
+
+
+def test_after_the_warm_up_no_step_compiles_a_triton_kernel_variant():
+    """Group 7 with 16 sequences (a geometry whose fixed warm-up list misses launch
+    configurations, tests/test_triton_variants.py): after the warm-up, a dense sweep of steps
+    (every sequence count, token counts in steps of 3, the edges) builds no new kernel variant,
+    so no request waits for Triton's JIT while serving. It also checks, on the hardware, that a
+    launch configuration is all that tells the variants apart (no other specialisation)."""
+    from hf_models import build_model
+
+    from paged_ops.metadata import SequenceSlice
+
+    model = build_model("llama", hidden_size=224, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=14, num_key_value_heads=2,
+                        max_position_embeddings=4096)  # fmt: skip
+    model = model.to("cuda", torch.bfloat16)
+    llm = LLM(model, backend="triton", max_num_seqs=16, max_model_len=4096, max_num_tokens=128,
+              num_blocks=64, compile=False)  # fmt: skip
+    runner, pa = llm.runner, llm.pa
+    before = _triton_variants()
+    assert sum(before.values()) > 0
+    (block,) = pa.allocator.allocate(1)
+    steps = {(t, s) for s in range(2, 17) for t in (*range(s, 129, 3), s, 2 * s, 128)}
+    with torch.inference_mode():
+        for tokens, seqs in sorted(steps):
+            n = min(tokens // seqs, pa.max_model_len)
+            slices = [SequenceSlice([block] * -(-n // pa.block_size), 0, n)] * seqs
+            pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
+            runner._load_ids([0] * (n * seqs), tokens)
+            runner._call(tokens)
+    torch.cuda.synchronize()
+    pa.allocator.free([block])
+    after = _triton_variants()
+    assert after == before, f"variants compiled after the warm-up: {before} -> {after}"
+    llm.close()
