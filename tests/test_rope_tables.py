@@ -115,3 +115,27 @@ def test_rope_tables_off_leaves_the_module():
         assert all("forward" not in vars(m) for m in _rotary_modules(model))
     with pytest.raises(TypeError, match="rope_tables must be True or False"):
         LLM(model, rope_tables=1)
+
+
+def test_new_tables_replace_those_of_a_dropped_engine_and_its_removal_leaves_them():
+    """An engine dropped without close() keeps its lookup installed until it is collected. The
+    next engine's tables replace it (sized for the new engine), and the old tables' removal,
+    whenever the collector runs it (in the middle of the next compile, on a GPU run), leaves the
+    new lookup in place. A forward that someone else set on the module is still left alone."""
+    model = build_model("llama")
+    (rotary,) = _rotary_modules(model)
+    old = RopeTables(model, 16, torch.device("cpu"))
+    new = RopeTables(model, 64, torch.device("cpu"))
+    assert [m for m, _ in new.installed] == [rotary]
+    assert vars(rotary)["forward"] is new.installed[0][1]
+    old.remove()
+    assert vars(rotary)["forward"] is new.installed[0][1]
+    new.remove()
+    assert "forward" not in vars(rotary)
+
+    def users_own(x, position_ids):
+        return type(rotary).forward(rotary, x, position_ids)
+
+    rotary.forward = users_own
+    assert RopeTables(model, 64, torch.device("cpu")).installed == []
+    assert vars(rotary)["forward"] is users_own

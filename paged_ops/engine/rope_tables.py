@@ -34,6 +34,7 @@ logger = logging.getLogger("paged_ops")
 
 # rope types whose cos/sin depend on the position only (transformers' ROPE_INIT_FUNCTIONS keys)
 POSITION_ONLY_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
+_LOOKUP_MARK = "_paged_ops_rope_lookup"  # attribute set on every lookup forward installed here
 
 
 def _layer_types(module: nn.Module) -> list[str | None] | None:
@@ -69,7 +70,15 @@ class RopeTables:
         self.installed: list[tuple[nn.Module, Callable]] = []
         self.table_bytes = 0
         for name, module in model.named_modules():
-            if not type(module).__name__.endswith("RotaryEmbedding") or "forward" in vars(module):
+            if not type(module).__name__.endswith("RotaryEmbedding"):
+                continue
+            # A forward of the instance's own is someone else's, unless it is the lookup of
+            # earlier tables whose engine was dropped and not yet collected: those tables are
+            # sized for that engine, and its finalizer would take them away at a garbage
+            # collection, which may come in the middle of this engine's compile. These replace
+            # them (the old owner's remove() then leaves this module alone).
+            swapped = vars(module).get("forward")
+            if swapped is not None and not getattr(swapped, _LOOKUP_MARK, False):
                 continue
             variants = _layer_types(module)
             if variants is None:
@@ -138,4 +147,5 @@ def _lookup(
         # position_ids [B, T] -> cos, sin [B, T, D]
         return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
 
+    setattr(forward, _LOOKUP_MARK, True)
     return forward
