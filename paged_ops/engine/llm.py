@@ -12,6 +12,7 @@ import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 
 from paged_ops.cache import KVCache, blocks_needed
 from paged_ops.engine import fusion
-from paged_ops.engine.compile_cache import configure_compile_caches
+from paged_ops.engine.compile_cache import configure_compile_caches, default_cache_root
 from paged_ops.engine.distributed import TensorParallel, tp_size
 from paged_ops.engine.draft import DraftModel, check_draft_model
 from paged_ops.engine.inputs import (
@@ -186,6 +187,27 @@ def _check_sizes(pa: PagedAttention, given: dict[str, Any]) -> None:
         )
 
 
+def _check_precompile(flags: dict[str, Any], speculative: Any, tp: Any, cache_dir: object) -> None:
+    """``precompile=True`` needs the whole-model compile, a cache directory, and no speculation
+    or tensor parallelism (their forwards are not covered: engine/precompile.py)."""
+    clashes = [
+        name
+        for name, clash in (
+            ("compile=False", not flags["compile"]),
+            ("compile_regions=True", flags["compile_regions"]),
+            ("speculative", speculative is not None),
+            ("tensor parallelism", tp is not None),
+            ("cache_dir=False", cache_dir is False),
+        )
+        if clash
+    ]
+    if clashes:
+        raise ValueError(
+            f"precompile=True saves the whole-model compiled forward under the cache dir; it "
+            f"does not go with {', '.join(clashes)}"
+        )
+
+
 class LLM:
     """Continuous-batching generation from a Hugging Face causal LM with paged attention.
 
@@ -299,6 +321,7 @@ class LLM:
         small_linears: bool = False,
         compile_regions: bool = False,
         rope_tables: bool = True,
+        precompile: bool = False,
         kv_cache_dtype: str | torch.dtype | None = None,
         calculate_kv_scales: bool | None = None,
         cache_dir: str | os.PathLike[str] | bool | None = None,
@@ -314,6 +337,7 @@ class LLM:
             small_linears=small_linears,
             compile_regions=compile_regions,
             rope_tables=rope_tables,
+            precompile=precompile,
         )
         given = dict(
             backend=backend,
@@ -341,11 +365,17 @@ class LLM:
         sizes = check_llm_args(model, given, flags)
         if compile is None:
             flags["compile"] = default_compile(model)
+        if precompile:
+            _check_precompile(flags, speculative, self.tp, cache_dir)
         t0 = time.perf_counter()
         self.compile_caches: dict[str, str] = {}  # each tool's cache variable -> its directory
+        self._precompile_dir: Path | None = None
         if cache_dir is not False:  # before anything compiles or imports flashinfer
             root = None if cache_dir is None or cache_dir is True else cache_dir
             self.compile_caches = configure_compile_caches(root)
+            if precompile:
+                base = Path(root).expanduser() if root is not None else default_cache_root()
+                self._precompile_dir = base.absolute() / "precompiled"
         self.model, self.tokenizer = model, tokenizer
         self.closed = False
         from paged_ops.integrations.transformers import snapshot_model
@@ -410,6 +440,7 @@ class LLM:
             **runner_opts,
             verify_tokens=spec.num_tokens if spec is not None else 0,
             verify_max_seqs=min(spec.disable_by_batch_size, builder.max_num_seqs) if spec else 0,
+            precompile_dir=self._precompile_dir,
         )
         self.spec: Speculator | None = None
         if spec is not None:

@@ -28,12 +28,13 @@ import time
 import types
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from paged_ops.engine import fusion
+from paged_ops.engine import fusion, precompile
 from paged_ops.engine.regions import CompiledRegions, own_code
 from paged_ops.engine.rope_tables import RopeTables
 from paged_ops.engine.sampler import greedy_ids, host_to_device
@@ -133,6 +134,9 @@ class ModelRunner:
             sequence feeds ``k + 1`` tokens and needs logits at each) get graphs of their own per
             batch bucket up to ``verify_max_seqs`` (the target-verify graphs); 0 = none.
         verify_max_seqs: the largest batch that verifies drafts (speculation's batch limit).
+        precompile_dir: with ``compile`` (whole model), where the forward compiled ahead of time
+            is saved and looked for (:mod:`paged_ops.engine.precompile`): a start that finds its
+            key there skips Dynamo's trace; None = the usual ``torch.compile``.
     """
 
     def __init__(
@@ -148,6 +152,7 @@ class ModelRunner:
         rope_tables: bool = True,
         verify_tokens: int = 0,
         verify_max_seqs: int = 0,
+        precompile_dir: Path | None = None,
     ) -> None:
         self.model, self.pa = model, pa
         self.device = pa.kv_cache.device
@@ -168,6 +173,16 @@ class ModelRunner:
         self.fused_groups: list = []  # projection groups whose weights were stacked
         self.num_fused_linears = 0  # linear calls removed from the compiled graph
         self.num_small_linears = 0  # linear calls sent through paged_ops::small_linear
+        # precompile_dir: the saved forward's path, the function it compiled (or None until the
+        # first step), whether it was loaded (checked against eager at the first warm-up step)
+        self.precompiled_path: Path | None = None
+        self.precompiled_status = "off"  # "off", "loaded", "saved" or why it was not used
+        self._precompiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._precompile_source: tuple[Callable, str | Callable] | None = None
+        self._check_precompiled = False
+        self._settings = dict(compile=compile, cuda_graphs=cuda_graphs,
+                              fuse_projections=fuse_projections, small_linears=small_linears,
+                              rope_tables=rope_tables, verify_tokens=verify_tokens)  # fmt: skip
         if compile:
             # (regions run the model's own forward, the rotary module included, eagerly between
             # the compiled layers: a table there would only be built and bypassed)
@@ -195,6 +210,8 @@ class ModelRunner:
                 forward = own_code(self._model_forward.__func__, self)
                 codes = [forward.__code__]
                 self._forward = torch.compile(forward, fullgraph=True, backend=backend)
+                if precompile_dir is not None:
+                    self._set_up_precompiled(precompile_dir, forward, backend)
             # on close(), or once a runner dropped without close() is collected
             self._evict_compiled = weakref.finalize(
                 self, _evict_compiled, codes, self.regions, self.rope_tables
@@ -218,6 +235,75 @@ class ModelRunner:
         ] = {}
         self.num_verify_replays = 0  # verify steps served by a verify graph
         self.warmup_breakdown: dict[str, Any] = {}  # filled by warm_up
+
+    def _set_up_precompiled(
+        self, directory: Path, forward: Callable, backend: str | Callable
+    ) -> None:
+        """Load the saved forward of this runner's key from ``directory``, or remember how to
+        compile and save it at the first step (:mod:`paged_ops.engine.precompile`)."""
+        reason = precompile.supported()
+        table = self.pa.backend_table()
+        if reason is None and not self._graph_safe_everywhere(table):
+            reason = f"a backend plans on the host or is not chosen yet ({table})"
+        if reason is not None:
+            self.precompiled_status = f"not used: {reason}"
+            precompile.logger.warning("precompile=True %s", self.precompiled_status)
+            return
+        builder, cache = self.pa.builder, self.pa.kv_cache
+        device = self.device
+        settings = dict(
+            runner=self._settings,
+            builder=[builder.max_num_seqs, builder.max_num_tokens, builder.max_blocks_per_seq,
+                     self.pa.block_size],
+            cache=[tuple(cache.layers[0].shape), str(cache.layers[0].dtype), len(cache.layers)],
+            specs=[repr(spec) for spec in self.pa.layer_specs],
+            backends=table,
+            scales=[None if self.pa.k_scales is None else tuple(self.pa.k_scales.shape),
+                    self.pa.calculate_kv_scales],
+            device=[device.type, torch.cuda.get_device_capability(device)
+                    if device.type == "cuda" else None],
+        )  # fmt: skip
+        self.precompiled_path = directory / f"{precompile.artifact_key(self.model, settings)}.bin"
+        self._precompile_source = (forward.__func__, backend)
+        if self.precompiled_path.is_file():
+            try:
+                self._precompiled = precompile.load(
+                    self.precompiled_path, self, ModelRunner._model_forward.__globals__
+                )
+            except Exception as e:  # noqa: BLE001 - any failure falls back to compiling
+                precompile.discard(self.precompiled_path, f"load failed: {e!r}")
+            else:
+                self.precompiled_status = "loaded"
+                self._check_precompiled = True
+
+    def _graph_safe_everywhere(self, table: dict[str, list[str]]) -> bool:
+        from paged_ops.backends.by_step import is_planned
+
+        return all(name and not is_planned(name) for names in table.values() for name in names)
+
+    def _call_precompiled(
+        self, args: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward through the precompiled function: compiled ahead (and saved) at the first
+        call when nothing was loaded."""
+        if self._precompiled is None:
+            assert self._precompile_source is not None and self.precompiled_path is not None
+            function, backend = self._precompile_source
+            with _no_duck_shapes():
+                self._precompiled = precompile.compile_ahead(function, backend, (self, *args))
+            try:
+                size = precompile.save(self._precompiled, self.precompiled_path, self)
+            except Exception as e:  # noqa: BLE001 - serving goes on without the file
+                self.precompiled_status = f"not saved: {e!r}"
+                precompile.logger.warning("precompile=True: %s", self.precompiled_status)
+            else:
+                discarded = self.precompiled_status.startswith("discarded")
+                self.precompiled_status = (
+                    f"{self.precompiled_status}; compiled and saved again" if discarded else "saved"
+                )
+                precompile.logger.info("precompiled forward saved: %s (%d bytes)",
+                                       self.precompiled_path, size)  # fmt: skip
+        return self._precompiled(self, *args)
 
     def _count_fused(self, removed: int) -> None:
         self.num_fused_linears += removed
@@ -257,6 +343,8 @@ class ModelRunner:
         # that carries them (the metadata views are read inside the model, through the module).
         for t in (*args, md.slot_mapping, md.cu_seqlens_q, md.seq_lens, md.block_table):
             torch._dynamo.maybe_mark_dynamic(t, 0)
+        if self.precompiled_path is not None:
+            return self._call_precompiled(args)
         with _no_duck_shapes():
             return self._forward(*args)
 
@@ -349,6 +437,7 @@ class ModelRunner:
         self._verify_graphs.clear()
         self.use_graphs, self.buckets, self.verify_buckets = False, [], []
         self._forward = self._closed_forward
+        self._precompiled = self._precompile_source = self.precompiled_path = None
         if self._compiled:
             self._evict_compiled()
         empty = torch.zeros(0, dtype=torch.int64)
@@ -390,6 +479,30 @@ class ModelRunner:
             extra += [step for cfg, step in reachable.items() if cfg not in met]
         return shapes + list(dict.fromkeys(extra))
 
+    def _check_loaded_forward(
+        self, slices: list[SequenceSlice], n: int, tokens: int, seqs: int
+    ) -> None:
+        """A loaded forward's first step against the eager forward of the same step: logits must
+        agree within the dtype's noise, else the file is deleted and the forward compiled."""
+        self._check_precompiled = False
+        steps = []
+        for forward in (self._model_forward, lambda *args: self._call_precompiled(args)):
+            self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
+            self._load_ids(list(range(n * seqs)), tokens)
+            md = self.pa.metadata
+            args = (self.input_ids[:tokens], md.positions, md.logits_indices)
+            try:
+                steps.append(forward(*args)[0].clone())  # logits [S, V]
+            except Exception as e:  # noqa: BLE001 - e.g. Inductor's input size asserts
+                steps.append(e)
+        eager, loaded = steps
+        if isinstance(loaded, Exception) or not precompile.outputs_agree(loaded, eager):
+            why = repr(loaded) if isinstance(loaded, Exception) else "logits differ from eager"
+            assert self.precompiled_path is not None
+            precompile.discard(self.precompiled_path, why)
+            self.precompiled_status = f"discarded: {why}"
+            self._precompiled = None  # compiled ahead (and saved again) at the next call
+
     @torch.inference_mode()
     def warm_up(self) -> dict[str, Any]:
         """Compile the forward for prefill and decode shapes, then capture the decode graphs.
@@ -425,6 +538,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             n = min(tokens // seqs, self.pa.max_model_len)
             slices = [SequenceSlice([block] * -(-n // self.pa.block_size), 0, n)] * seqs
+            if self._check_precompiled:
+                self._check_loaded_forward(slices, n, tokens, seqs)
             self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
             self._load_ids([0] * (n * seqs), tokens)
             self._call(tokens)
@@ -439,6 +554,8 @@ class ModelRunner:
             times["shapes_s"] += self._elapsed(t0)
             times["num_shapes"] += 1
         times.update(graph_warmup_s=0.0, capture_s=0.0, num_graphs=0, capture_each_s={})
+        if self.precompiled_path is not None or self.precompiled_status != "off":
+            times["precompiled"] = self.precompiled_status
         self.warmup_breakdown = times
         if not self.use_graphs:
             return times
@@ -487,6 +604,8 @@ def format_breakdown(times: dict[str, Any]) -> str:
         f"{times['shapes_s']:.2f} s, {times['num_graphs']} graphs {times['graph_warmup_s']:.2f} s "
         f"warm-up + {times['capture_s']:.2f} s capture"
     )
+    if "precompiled" in times:
+        line += f" (precompiled forward: {times['precompiled']})"
     if "setup_s" in times:
         line = f"setup {times['setup_s']:.2f} s, " + line
     if "total_s" in times:

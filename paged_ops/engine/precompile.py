@@ -1,0 +1,202 @@
+"""Precompiled forward: a second start loads the compiled forward whole instead of tracing it.
+
+Inductor's and AOTAutograd's caches (``engine/compile_cache.py``) spare a second start the
+compile, but not Dynamo's trace of the model: 4.7-7.2 s of an H100 host's 10-13 s second start
+for the 1B model (benchmarks/NOTES.md section 19). With ``LLM(precompile=True)`` the runner
+compiles its forward with Dynamo's ahead-of-time API (``torch.compile(...).aot_compile``, torch
+>= 2.11) on the first warm-up step and saves the result (Dynamo's transformed bytecode and the
+compiled graph, not the weights) under the compile-cache root; the next start with the same key
+loads it and runs it without Dynamo.
+
+What this gives up, and how it is made safe:
+
+* **No Dynamo guards.** A saved guard set cannot be rebuilt in a new process for this forward
+  (guards on the model's modules, and the key-order guards of their child dicts, are read through
+  objects that exist only in the saving process), so the loaded forward runs unguarded. The file
+  is found by a key over everything the trace depends on: the torch, transformers and paged_ops
+  versions, a digest of paged_ops' own sources, the model's class, config and every parameter's
+  and buffer's name, shape and dtype, the engine's settings (cache, tables, backends per layer
+  and step kind). The engine's steps are the only calls; whole-model compile without the
+  artifact produces one graph for all of them (a CPU check in the tests).
+* **Checked at load.** Inductor's generated code asserts every input's size and stride. And the
+  first warm-up step runs both eagerly and through the loaded forward: logits must agree within
+  the dtype's noise, or the file is deleted and the forward compiled as without it (a warning).
+* **Torch-private pieces.** The serializer wraps the compiled graph in
+  ``BundledAOTAutogradSerializableCallable`` and loading replaces Dynamo's guard rebuild by a
+  guard set that always passes; both are torch internals of 2.11-2.13. Any failure to save or load
+  falls back to the normal compile with a warning: the flag can cost time, never a wrong answer
+  that the check above can see.
+
+Off by default, and refused with speculative decoding, per-layer regions and tensor parallelism
+(their forwards differ, untested here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import unittest.mock
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("paged_ops")
+
+FORMAT = 1  # bump when what is saved changes
+RESTARTS = 3  # retraces compile_ahead allows when Dynamo asks to restart its analysis
+
+
+class _AlwaysPasses:
+    """Stands in for Dynamo's rebuilt guard manager (see the module docstring)."""
+
+    def check(self, f_locals: dict[str, Any]) -> bool:
+        return True
+
+
+def _no_guards(entries: Sequence[Any]) -> list[bool]:
+    return [False] * len(entries)
+
+
+@functools.cache
+def _source_digest() -> str:
+    """sha256 of paged_ops' own Python sources (a code change invalidates saved forwards)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def artifact_key(model: nn.Module, settings: dict[str, Any]) -> str:
+    """A hex key over what the traced forward depends on; ``settings``: the engine's (JSON-able
+    with ``str`` for the rest)."""
+    from importlib import metadata
+
+    try:
+        paged_ops_version = metadata.version("paged_ops")
+    except metadata.PackageNotFoundError:
+        paged_ops_version = None
+    try:
+        import transformers
+
+        transformers_version = transformers.__version__
+    except ImportError:
+        transformers_version = None
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    parts = dict(
+        format=FORMAT,
+        torch=torch.__version__,
+        transformers=transformers_version,
+        paged_ops=paged_ops_version,
+        sources=_source_digest(),
+        model=f"{type(model).__module__}.{type(model).__qualname__}",
+        config=to_json(use_diff=False) if callable(to_json) else repr(config),
+        tensors=[
+            (name, tuple(t.shape), str(t.dtype), t.device.type)
+            for name, t in (*model.named_parameters(), *model.named_buffers())
+        ],
+        settings=settings,
+    )
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:40]
+
+
+def supported() -> str | None:
+    """None when this torch has the pieces used here, else why not."""
+    try:
+        from torch._dynamo import package  # noqa: F401
+        from torch._dynamo.aot_compile import AOTCompiledFunction  # noqa: F401
+        from torch._dynamo.aot_compile_types import (  # noqa: F401
+            BundledAOTAutogradSerializableCallable,
+        )
+    except ImportError as e:
+        return f"torch {torch.__version__} has no ahead-of-time Dynamo compile ({e})"
+    if not hasattr(torch._dynamo.config, "enable_aot_compile"):
+        return f"torch {torch.__version__} has no torch._dynamo.config.enable_aot_compile"
+    return None
+
+
+def compile_ahead(
+    function: Callable, backend: str | Callable, args: tuple[torch.Tensor, ...]
+) -> Callable:
+    """Dynamo's whole trace of ``function`` at ``args`` (dynamic marks as set on them), compiled
+    by ``backend``, without guards; returns the compiled function (what :func:`save` takes)."""
+    from torch._dynamo import lookup_backend
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+
+    inner = lookup_backend(backend) if isinstance(backend, str) else backend
+
+    def serializable(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        return BundledAOTAutogradSerializableCallable(inner(gm, example_inputs))
+
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        compiled = torch.compile(
+            function, fullgraph=True, backend=serializable, options={"guard_filter_fn": _no_guards}
+        )
+        for attempt in range(RESTARTS + 1):
+            # Dynamo's own compile retraces when its analysis asks for a restart (e.g. a Python
+            # float that it first traced as a symbol); the ahead-of-time entry point passes the
+            # request up, and the state it recorded makes the next trace succeed
+            try:
+                return compiled.aot_compile((args, {}))
+            except torch._dynamo.exc.RestartAnalysis:
+                if attempt == RESTARTS:
+                    raise
+    raise AssertionError("unreachable")
+
+
+def save(compiled: Callable, path: Path, owner: object) -> int:
+    """Write ``compiled`` (from :func:`compile_ahead`) to ``path`` atomically; ``owner``: the object
+    bound as its first argument (kept out of the file). Returns the bytes written."""
+    data = type(compiled).serialize(compiled, external_data={"self": owner}).serialized_data
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return len(data)
+
+
+def load(path: Path, owner: object, f_globals: dict[str, Any]) -> Callable:
+    """The compiled function saved at ``path``, bound to ``owner`` again; raises on any failure.
+    ``f_globals``: the module globals of the traced function."""
+    from torch._dynamo import package
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    data = path.read_bytes()
+    with unittest.mock.patch.object(
+        package, "load_guard_manager", lambda *args, **kwargs: _AlwaysPasses()
+    ):
+        compiled = AOTCompiledFunction.deserialize(
+            data, f_globals=f_globals, external_closure_data={"self": owner}
+        )
+    compiled.disable_guard_check()
+    return compiled
+
+
+def outputs_agree(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether logits ``got`` (loaded forward) and ``want`` (eager) of one step agree within the
+    dtype's noise: the largest difference at most 5% of the eager logits' range, the same shape."""
+    if got.shape != want.shape or not torch.isfinite(got).all():
+        return False
+    scale = float(want.float().abs().max()) or 1.0
+    return float((got.float() - want.float()).abs().max()) <= 0.05 * scale
+
+
+def discard(path: Path, why: str) -> None:
+    """Delete a saved forward that failed, with a warning that says why."""
+    logger.warning(
+        "precompiled forward %s not used (%s); compiling the forward as usual", path, why
+    )
+    with contextlib.suppress(OSError):
+        path.unlink()

@@ -1,0 +1,150 @@
+"""LLM(precompile=True): the compiled forward saved whole, loaded by a later start without
+Dynamo's trace, checked against eager at load, refused where it does not apply (CPU)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from paged_ops import LLM, SamplingParams
+from paged_ops.engine.compile_cache import TOOL_DIRS
+
+transformers = pytest.importorskip("transformers")
+
+SIZES = dict(backend="reference", block_size=4, max_num_seqs=2, max_model_len=16)
+PROMPTS = [[1, 2, 3], [4, 5]]
+
+
+def tiny_llama(heads: int = 2, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=64,
+        eos_token_id=None,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=6), use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from torch._dynamo.utils import counters
+    from paged_ops import LLM
+    from test_precompile import SIZES, greedy, tiny_llama
+
+    llm = LLM(tiny_llama(), compile=True, precompile=True, **SIZES)
+    print(json.dumps(dict(tokens=greedy(llm), status=llm.runner.precompiled_status,
+                          traced=counters["stats"]["unique_graphs"],
+                          logged=llm.warmup_breakdown.get("precompiled"))))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_second_process_loads_the_forward_without_tracing_it(tmp_path):
+    """The first start compiles ahead and saves; the second loads the file, traces nothing with
+    Dynamo and generates the same tokens (as the model without paged_ops' compile does)."""
+    env = {k: v for k, v in os.environ.items() if k not in TOOL_DIRS}
+    env["PAGED_OPS_CACHE_DIR"] = str(tmp_path)
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, str(Path(__file__).parent)],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert [(r["status"], r["traced"], r["logged"]) for r in runs] == [
+        ("saved", 1, "saved"),
+        ("loaded", 0, "loaded"),
+    ]
+    assert runs[0]["tokens"] == runs[1]["tokens"]
+    with LLM(tiny_llama(), compile=False, cache_dir=False, **SIZES) as eager:
+        assert greedy(eager) == runs[0]["tokens"]
+    assert len(list((tmp_path / "precompiled").glob("*.bin"))) == 1
+
+
+@pytest.mark.slow
+def test_a_bad_or_foreign_file_is_discarded_and_the_forward_compiled(tmp_path, caplog):
+    """A corrupt file fails to load; a file saved for another model whose weights have the same
+    shapes (4 heads of 8 instead of 2 of 16) loads but fails the check against eager. Both are
+    deleted with a warning, the forward is compiled and saved again, and the tokens are right."""
+    llm = LLM(tiny_llama(), compile=True, precompile=True, cache_dir=tmp_path, **SIZES)
+    want = greedy(llm)
+    path = llm.runner.precompiled_path
+    assert llm.runner.precompiled_status == "saved" and path.is_file()
+    llm.close()
+    again = LLM(tiny_llama(), compile=True, precompile=True, cache_dir=tmp_path, **SIZES)
+    assert again.runner.precompiled_status == "loaded" and greedy(again) == want
+    again.close()
+
+    path.write_bytes(b"not a precompiled forward")
+    with caplog.at_level(logging.WARNING, logger="paged_ops"):
+        llm = LLM(tiny_llama(), compile=True, precompile=True, cache_dir=tmp_path, **SIZES)
+    assert "not used (load failed" in caplog.text
+    assert greedy(llm) == want and llm.runner.precompiled_status == "saved"
+    llm.close()
+
+    other = LLM(tiny_llama(heads=4), compile=True, precompile=True, cache_dir=tmp_path, **SIZES)
+    other_path, other_want = other.runner.precompiled_path, greedy(other)
+    other.close()
+    assert other_path != path
+    os.replace(path, other_path)  # the 2-head model's forward under the 4-head model's key
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="paged_ops"):
+        other = LLM(tiny_llama(heads=4), compile=True, precompile=True, cache_dir=tmp_path,
+                    **SIZES)  # fmt: skip
+    assert other.runner.precompiled_status.startswith("discarded")
+    assert "precompiled forward" in caplog.text
+    assert greedy(other) == other_want
+    other.close()
+
+
+def test_the_key_changes_with_what_the_trace_depends_on():
+    from paged_ops.engine.precompile import artifact_key
+
+    settings = dict(runner=dict(rope_tables=True))
+    key = artifact_key(tiny_llama(), settings)
+    assert artifact_key(tiny_llama(seed=1), settings) == key  # weights are inputs, not traced
+    assert artifact_key(tiny_llama(heads=4), settings) != key  # same shapes, other config
+    assert artifact_key(tiny_llama(), dict(runner=dict(rope_tables=False))) != key
+    assert artifact_key(tiny_llama().to(torch.float64), settings) != key
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "clash"),
+    [
+        (dict(compile=False), "compile=False"),
+        (dict(compile=True, compile_regions=True), "compile_regions=True"),
+        (dict(compile=True, cache_dir=False), "cache_dir=False"),
+    ],
+)
+def test_precompile_is_refused_where_it_does_not_apply(kwargs, clash):
+    with pytest.raises(ValueError, match=f"precompile=True .* {clash}"):
+        LLM(tiny_llama(), precompile=True, **{**SIZES, **kwargs})
+
+
+def test_precompile_must_be_a_bool():
+    with pytest.raises(TypeError, match="precompile"):
+        LLM(tiny_llama(), precompile=1, **SIZES)
+
+
+def test_off_by_default_nothing_is_saved(tmp_path):
+    with LLM(tiny_llama(), compile=False, cache_dir=tmp_path, **SIZES) as llm:
+        assert llm.runner.precompiled_status == "off" and llm.runner.precompiled_path is None
+        assert "precompiled" not in llm.warmup_breakdown
+    assert not (tmp_path / "precompiled").exists()
