@@ -148,3 +148,19 @@ def test_off_by_default_nothing_is_saved(tmp_path):
         assert llm.runner.precompiled_status == "off" and llm.runner.precompiled_path is None
         assert "precompiled" not in llm.warmup_breakdown
     assert not (tmp_path / "precompiled").exists()
+
+
+def test_outputs_agree_takes_bf16_drift_and_refuses_a_different_forward():
+    torch.manual_seed(0)
+    eager = torch.randn(3, 2048, dtype=torch.bfloat16) * 2
+    drift = eager + torch.randn(3, 2048, dtype=torch.bfloat16) * 0.15  # cosine ~0.997
+    from paged_ops.engine.precompile import outputs_agree
+
+    assert outputs_agree(drift, eager)
+    assert not outputs_agree(torch.randn(3, 2048, dtype=torch.bfloat16), eager)
+    assert not outputs_agree(drift[:2], eager)
+    nan = drift.clone()
+    nan[1, 5] = float("nan")
+    assert not outputs_agree(nan, eager)
+    exact = eager.float()
+    assert outputs_agree(exact, exact) and not outputs_agree(exact + 0.05 * exact.std(), exact)

@@ -18,9 +18,10 @@ What this gives up, and how it is made safe:
   and buffer's name, shape and dtype, the engine's settings (cache, tables, backends per layer
   and step kind). The engine's steps are the only calls; whole-model compile without the
   artifact produces one graph for all of them (a CPU check in the tests).
-* **Checked at load.** Inductor's generated code asserts every input's size and stride. And the
-  first warm-up step runs both eagerly and through the loaded forward: logits must agree within
-  the dtype's noise, or the file is deleted and the forward compiled as without it (a warning).
+* **Checked at load.** Inductor's generated code asserts every input's size and stride. And one
+  step (a sequence of up to 64 tokens) runs both eagerly and through the loaded forward: logits
+  must agree within the dtype's noise (:func:`outputs_agree`), or the file is deleted and the
+  forward compiled as without it (a warning).
 * **Torch-private pieces.** The serializer wraps the compiled graph in
   ``BundledAOTAutogradSerializableCallable`` and loading replaces Dynamo's guard rebuild by a
   guard set that always passes; both are torch internals of 2.11-2.13. Any failure to save or load
@@ -186,11 +187,16 @@ def load(path: Path, owner: object, f_globals: dict[str, Any]) -> Callable:
 
 def outputs_agree(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Whether logits ``got`` (loaded forward) and ``want`` (eager) of one step agree within the
-    dtype's noise: the largest difference at most 5% of the eager logits' range, the same shape."""
+    dtype's noise: the same shape, finite, and every row's cosine similarity at least 0.98 for 16-bit
+    dtypes (0.9999 for float32). A compiled bf16 forward drifts from eager (Inductor keeps the
+    residual stream in float32 across fused ops): cosine 0.9957, largest difference 9% of the
+    largest logit for a correct 16-layer forward on the dev CPU; a wrong one (the warm-up's
+    aliased blocks) read 0.02."""
     if got.shape != want.shape or not torch.isfinite(got).all():
         return False
-    scale = float(want.float().abs().max()) or 1.0
-    return float((got.float() - want.float()).abs().max()) <= 0.05 * scale
+    floor = 0.9999 if want.dtype == torch.float32 else 0.98
+    cosine = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1)
+    return bool((cosine >= floor).all())
 
 
 def discard(path: Path, why: str) -> None:

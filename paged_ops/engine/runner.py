@@ -479,23 +479,36 @@ class ModelRunner:
             extra += [step for cfg, step in reachable.items() if cfg not in met]
         return shapes + list(dict.fromkeys(extra))
 
-    def _check_loaded_forward(
-        self, slices: list[SequenceSlice], n: int, tokens: int, seqs: int
-    ) -> None:
-        """A loaded forward's first step against the eager forward of the same step: logits must
-        agree within the dtype's noise, else the file is deleted and the forward compiled."""
+    def _check_loaded_forward(self, block: int) -> None:
+        """A loaded forward's first step against the eager forward of the same step, one
+        sequence of up to 64 tokens on blocks of its own (``block`` and more if free; the
+        warm-up's steps share one block, so their outputs mean nothing): the logits must agree
+        within the dtype's noise, else the file is deleted and the forward compiled."""
         self._check_precompiled = False
+        allocator, size = self.pa.allocator, self.pa.block_size
+        n = max(1, min(64, self.max_num_tokens, self.pa.max_model_len))
+        more = -(-n // size) - 1
+        extra = allocator.allocate(more) if more and allocator.can_allocate(more) else []
+        n = min(n, size * (1 + len(extra)))
+        tokens = max(n, 2)
+        slices = [SequenceSlice([block, *extra], 0, n)]
         steps = []
-        for forward in (self._model_forward, lambda *args: self._call_precompiled(args)):
-            self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
-            self._load_ids(list(range(n * seqs)), tokens)
-            md = self.pa.metadata
-            args = (self.input_ids[:tokens], md.positions, md.logits_indices)
-            try:
-                steps.append(forward(*args)[0].clone())  # logits [S, V]
-            except Exception as e:  # noqa: BLE001 - e.g. Inductor's input size asserts
-                steps.append(e)
+        try:
+            for forward in (self._model_forward, lambda *args: self._call_precompiled(args)):
+                self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=1)
+                vocab = int(self.model.config.vocab_size)
+                self._load_ids([(7 * i + 3) % vocab for i in range(n)], tokens)
+                md = self.pa.metadata
+                args = (self.input_ids[:tokens], md.positions, md.logits_indices)
+                try:
+                    steps.append(forward(*args)[0].clone())  # logits [S, V]
+                except Exception as e:  # noqa: BLE001 - e.g. Inductor's input size asserts
+                    steps.append(e)
+        finally:
+            allocator.free(extra)
         eager, loaded = steps
+        if isinstance(eager, Exception):
+            raise eager
         if isinstance(loaded, Exception) or not precompile.outputs_agree(loaded, eager):
             why = repr(loaded) if isinstance(loaded, Exception) else "logits differ from eager"
             assert self.precompiled_path is not None
@@ -533,13 +546,13 @@ class ModelRunner:
 
     def _warm_up(self, block: int) -> dict[str, Any]:
         shapes = self._warm_up_shapes()
+        if self._check_precompiled:
+            self._check_loaded_forward(block)
         times: dict[str, Any] = dict(compile_s=0.0, shapes_s=0.0, num_shapes=len(shapes))
         for i, (tokens, seqs) in enumerate(shapes):
             t0 = time.perf_counter()
             n = min(tokens // seqs, self.pa.max_model_len)
             slices = [SequenceSlice([block] * -(-n // self.pa.block_size), 0, n)] * seqs
-            if self._check_precompiled:
-                self._check_loaded_forward(slices, n, tokens, seqs)
             self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
             self._load_ids([0] * (n * seqs), tokens)
             self._call(tokens)
