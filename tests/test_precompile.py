@@ -164,3 +164,12 @@ def test_outputs_agree_takes_bf16_drift_and_refuses_a_different_forward():
     assert not outputs_agree(nan, eager)
     exact = eager.float()
     assert outputs_agree(exact, exact) and not outputs_agree(exact + 0.05 * exact.std(), exact)
+
+
+def test_the_key_follows_inductors_configuration():
+    from paged_ops.engine.precompile import artifact_key
+
+    key = artifact_key(tiny_llama(), {})
+    with torch._inductor.config.patch(coordinate_descent_tuning=True):
+        assert artifact_key(tiny_llama(), {}) != key
+    assert artifact_key(tiny_llama(), {}) == key

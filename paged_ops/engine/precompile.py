@@ -16,7 +16,7 @@ What this gives up, and how it is made safe:
   is found by a key over everything the trace depends on: the torch, transformers and paged_ops
   versions, a digest of paged_ops' own sources, the model's class, config and every parameter's
   and buffer's name, shape and dtype, the engine's settings (cache, tables, backends per layer
-  and step kind). The engine's steps are the only calls; whole-model compile without the
+  and step kind) and Inductor's configuration. The engine's steps are the only calls; whole-model compile without the
   artifact produces one graph for all of them (a CPU check in the tests).
 * **Checked at load.** Inductor's generated code asserts every input's size and stride. And one
   step (a sequence of up to 64 tokens) runs both eagerly and through the loaded forward: logits
@@ -92,6 +92,8 @@ def artifact_key(model: nn.Module, settings: dict[str, Any]) -> str:
         transformers_version = transformers.__version__
     except ImportError:
         transformers_version = None
+    import torch._inductor.config as inductor_config
+
     config = getattr(model, "config", None)
     to_json = getattr(config, "to_json_string", None)
     parts = dict(
@@ -107,6 +109,7 @@ def artifact_key(model: nn.Module, settings: dict[str, Any]) -> str:
             for name, t in (*model.named_parameters(), *model.named_buffers())
         ],
         settings=settings,
+        inductor=inductor_config.save_config_portable(),  # e.g. a caller's config.patch(...)
     )
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:40]
