@@ -173,3 +173,20 @@ def test_the_key_follows_inductors_configuration():
     with torch._inductor.config.patch(coordinate_descent_tuning=True):
         assert artifact_key(tiny_llama(), {}) != key
     assert artifact_key(tiny_llama(), {}) == key
+
+
+def test_a_failed_compile_ahead_falls_back_to_the_usual_compile(tmp_path, monkeypatch, caplog):
+    from paged_ops.engine import precompile
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no ahead-of-time compile here")
+
+    monkeypatch.setattr(precompile, "compile_ahead", fail)
+    with caplog.at_level(logging.WARNING, logger="paged_ops"):
+        llm = LLM(tiny_llama(), compile=True, precompile=True, cache_dir=tmp_path, **SIZES)
+    assert llm.runner.precompiled_status.startswith("not used: compiling ahead failed")
+    assert "no ahead-of-time compile here" in caplog.text
+    with LLM(tiny_llama(), compile=False, cache_dir=False, **SIZES) as eager:
+        assert greedy(llm) == greedy(eager)
+    llm.close()
+    assert not list(tmp_path.glob("precompiled/*.bin"))
