@@ -178,3 +178,42 @@ def test_after_the_warm_up_no_step_compiles_a_triton_kernel_variant():
     after = _triton_variants()
     assert after == before, f"variants compiled after the warm-up: {before} -> {after}"
     llm.close()
+
+
+PRECOMPILE_CHILD = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from torch._dynamo.utils import counters
+from paged_ops import LLM, SamplingParams
+from test_engine_gpu import small_llama
+
+llm = LLM(small_llama(torch.bfloat16), max_num_seqs=8, max_model_len=256, precompile=True)
+prompts = [[1, 5, 9, 13, 17], [2, 4, 6], list(range(3, 90))]
+out = llm.generate(prompts, SamplingParams(max_new_tokens=24), use_tqdm=False)
+print(json.dumps(dict(tokens=[o.token_ids for o in out], status=llm.runner.precompiled_status,
+                      traced=counters["stats"]["unique_graphs"], warmup_s=llm.warmup_s)))
+"""
+
+
+def test_a_precompiled_forward_loads_in_a_new_process_with_the_same_tokens(tmp_path):
+    """LLM(precompile=True) on the GPU (compile, CUDA graphs, overlap): the first process saves
+    the forward, the second loads it (its check against eager passes), traces nothing with
+    Dynamo and generates the first one's tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PAGED_OPS_CACHE_DIR": str(tmp_path)}
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", PRECOMPILE_CHILD, str(Path(__file__).parent)],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert [(r["status"], r["traced"]) for r in runs] == [("saved", 1), ("loaded", 0)], runs
+    assert runs[1]["tokens"] == runs[0]["tokens"]
+    print(f"warm-up {runs[0]['warmup_s']:.1f} s, then {runs[1]['warmup_s']:.1f} s")
