@@ -205,7 +205,10 @@ def test_a_precompiled_forward_loads_in_a_new_process_with_the_same_tokens(tmp_p
     import sys
     from pathlib import Path
 
-    env = {**os.environ, "PAGED_OPS_CACHE_DIR": str(tmp_path)}
+    from paged_ops.engine.compile_cache import TOOL_DIRS
+
+    env = {k: v for k, v in os.environ.items() if k not in TOOL_DIRS}
+    env["PAGED_OPS_CACHE_DIR"] = str(tmp_path)
     runs = []
     for _ in range(2):
         proc = subprocess.run(
