@@ -190,3 +190,19 @@ def test_a_failed_compile_ahead_falls_back_to_the_usual_compile(tmp_path, monkey
         assert greedy(llm) == greedy(eager)
     llm.close()
     assert not list(tmp_path.glob("precompiled/*.bin"))
+
+
+def test_the_key_follows_the_model_classes_source(tmp_path, monkeypatch):
+    """A modeling file edited in place (or remote code) changes no version: its digest keys too."""
+    from paged_ops.engine import precompile
+
+    model = tiny_llama()
+    key = precompile.artifact_key(model, {})
+    edited = tmp_path / "modeling_edited.py"
+    edited.write_text("# an edited copy\n")
+    real = precompile.inspect.getsourcefile
+    mlp = type(model.model.layers[0].mlp)
+    monkeypatch.setattr(
+        precompile.inspect, "getsourcefile", lambda c: str(edited) if c is mlp else real(c)
+    )
+    assert precompile.artifact_key(model, {}) != key

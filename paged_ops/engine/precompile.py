@@ -14,8 +14,8 @@ What this gives up, and how it is made safe:
   (guards on the model's modules, and the key-order guards of their child dicts, are read through
   objects that exist only in the saving process), so the loaded forward runs unguarded. The file
   is found by a key over everything the trace depends on: the torch, transformers and paged_ops
-  versions, a digest of paged_ops' own sources, the model's class, config and every parameter's
-  and buffer's name, shape and dtype, the engine's settings (cache, tables, backends per layer
+  versions, a digest of paged_ops' own sources, the model's class, the source file of each of its
+  module classes, its config and every parameter's and buffer's name, shape and dtype, the engine's settings (cache, tables, backends per layer
   and step kind) and Inductor's configuration. The engine's steps are the only calls; whole-model compile without the
   artifact produces one graph for all of them (a CPU check in the tests).
 * **Checked at load.** Inductor's generated code asserts every input's size and stride. And one
@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -77,6 +78,23 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+def _model_sources(model: nn.Module) -> list[tuple[str, str]]:
+    """``(class, sha256 of its source file)`` for every module class in ``model``: a modeling file
+    edited in place, or remote code, changes the key even when no version does."""
+    out = {}
+    for module in model.modules():
+        cls = type(module)
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if name in out:
+            continue
+        try:
+            path = inspect.getsourcefile(cls)
+            out[name] = hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else ""
+        except (OSError, TypeError):
+            out[name] = ""
+    return sorted(out.items())
+
+
 def artifact_key(model: nn.Module, settings: dict[str, Any]) -> str:
     """A hex key over what the traced forward depends on; ``settings``: the engine's (JSON-able
     with ``str`` for the rest)."""
@@ -103,6 +121,7 @@ def artifact_key(model: nn.Module, settings: dict[str, Any]) -> str:
         paged_ops=paged_ops_version,
         sources=_source_digest(),
         model=f"{type(model).__module__}.{type(model).__qualname__}",
+        model_sources=_model_sources(model),
         config=to_json(use_diff=False) if callable(to_json) else repr(config),
         tensors=[
             (name, tuple(t.shape), str(t.dtype), t.device.type)
