@@ -15,9 +15,11 @@ What this gives up, and how it is made safe:
   objects that exist only in the saving process), so the loaded forward runs unguarded. The file
   is found by a key over everything the trace depends on: the torch, transformers and paged_ops
   versions, a digest of paged_ops' own sources, the model's class, the source file of each of its
-  module classes, its config and every parameter's and buffer's name, shape and dtype, the engine's settings (cache, tables, backends per layer
-  and step kind) and Inductor's configuration. The engine's steps are the only calls; whole-model compile without the
-  artifact produces one graph for all of them (a CPU check in the tests).
+  module classes, its config and every parameter's and buffer's name, shape and dtype, the
+  engine's settings (cache, tables, backends per layer and step kind) and Inductor's
+  configuration. The engine's steps are the only calls, and the usual whole-model compile makes
+  one graph for all of them (1 unique graph after a warm-up and greedy and sampled generation on
+  the CPU), so one unguarded function serves what the guarded path served.
 * **Checked at load.** Inductor's generated code asserts every input's size and stride. And one
   step (a sequence of up to 64 tokens) runs both eagerly and through the loaded forward: logits
   must agree within the dtype's noise (:func:`outputs_agree`), or the file is deleted and the
