@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import textwrap
 import types
@@ -12,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_models import fresh_starts
 
 from paged_ops import LLM, configure_compile_caches
 from paged_ops.engine import compile_cache
@@ -139,19 +138,7 @@ CHILD = textwrap.dedent(
 def test_a_second_process_loads_the_compiled_graph_from_the_cache_dir(tmp_path):
     """Two fresh processes share one PAGED_OPS_CACHE_DIR: the second finds Inductor's graph
     there and generates the same tokens (about 30 s on CPU: Inductor compiles C++ once)."""
-    env = {k: v for k, v in os.environ.items() if k not in TOOL_DIRS}
-    env["PAGED_OPS_CACHE_DIR"] = str(tmp_path)
-    runs = []
-    for _ in range(2):
-        proc = subprocess.run(
-            [sys.executable, "-c", CHILD, str(Path(__file__).parent)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    runs = fresh_starts(CHILD, tmp_path, timeout=300)
     assert runs[0]["tokens"] == runs[1]["tokens"]
     assert runs[0]["caches"]["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     assert (runs[0]["hits"], runs[1]["hits"]) == (0, 1)

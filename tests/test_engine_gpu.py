@@ -199,24 +199,9 @@ def test_a_precompiled_forward_loads_in_a_new_process_with_the_same_tokens(tmp_p
     """LLM(precompile=True) on the GPU (compile, CUDA graphs, overlap): the first process saves
     the forward, the second loads it (its check against eager passes), traces nothing with
     Dynamo and generates the first one's tokens."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from engine_models import fresh_starts
 
-    from paged_ops.engine.compile_cache import TOOL_DIRS
-
-    env = {k: v for k, v in os.environ.items() if k not in TOOL_DIRS}
-    env["PAGED_OPS_CACHE_DIR"] = str(tmp_path)
-    runs = []
-    for _ in range(2):
-        proc = subprocess.run(
-            [sys.executable, "-c", PRECOMPILE_CHILD, str(Path(__file__).parent)],
-            env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    runs = fresh_starts(PRECOMPILE_CHILD, tmp_path)
     assert [(r["status"], r["traced"]) for r in runs] == [("saved", 1), ("loaded", 0)], runs
     assert runs[1]["tokens"] == runs[0]["tokens"]
     print(f"warm-up {runs[0]['warmup_s']:.1f} s, then {runs[1]['warmup_s']:.1f} s")

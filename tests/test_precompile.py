@@ -3,19 +3,15 @@ Dynamo's trace, checked against eager at load, refused where it does not apply (
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from engine_models import fresh_starts
 
 from paged_ops import LLM, SamplingParams
-from paged_ops.engine.compile_cache import TOOL_DIRS
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,16 +54,7 @@ CHILD = textwrap.dedent(
 def test_a_second_process_loads_the_forward_without_tracing_it(tmp_path):
     """The first start compiles ahead and saves; the second loads the file, traces nothing with
     Dynamo and generates the same tokens (as the model without paged_ops' compile does)."""
-    env = {k: v for k, v in os.environ.items() if k not in TOOL_DIRS}
-    env["PAGED_OPS_CACHE_DIR"] = str(tmp_path)
-    runs = []
-    for _ in range(2):
-        proc = subprocess.run(
-            [sys.executable, "-c", CHILD, str(Path(__file__).parent)],
-            env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    runs = fresh_starts(CHILD, tmp_path)
     assert [(r["status"], r["traced"], r["logged"]) for r in runs] == [
         ("saved", 1, "saved"),
         ("loaded", 0, "loaded"),
