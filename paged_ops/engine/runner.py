@@ -180,9 +180,6 @@ class ModelRunner:
         self._precompiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._precompile_source: tuple[Callable, str | Callable] | None = None
         self._check_precompiled = False
-        self._settings = dict(compile=compile, cuda_graphs=cuda_graphs,
-                              fuse_projections=fuse_projections, small_linears=small_linears,
-                              rope_tables=rope_tables, verify_tokens=verify_tokens)  # fmt: skip
         if compile:
             # (regions run the model's own forward, the rotary module included, eagerly between
             # the compiled layers: a table there would only be built and bypassed)
@@ -211,7 +208,10 @@ class ModelRunner:
                 codes = [forward.__code__]
                 self._forward = torch.compile(forward, fullgraph=True, backend=backend)
                 if precompile_dir is not None:
-                    self._set_up_precompiled(precompile_dir, forward, backend)
+                    options = dict(cuda_graphs=cuda_graphs, fuse_projections=fuse_projections,
+                                   small_linears=small_linears, rope_tables=rope_tables,
+                                   verify_tokens=verify_tokens)  # fmt: skip
+                    self._set_up_precompiled(precompile_dir, forward, backend, options)
             # on close(), or once a runner dropped without close() is collected
             self._evict_compiled = weakref.finalize(
                 self, _evict_compiled, codes, self.regions, self.rope_tables
@@ -237,13 +237,15 @@ class ModelRunner:
         self.warmup_breakdown: dict[str, Any] = {}  # filled by warm_up
 
     def _set_up_precompiled(
-        self, directory: Path, forward: Callable, backend: str | Callable
+        self, directory: Path, forward: Callable, backend: str | Callable, options: dict[str, Any]
     ) -> None:
         """Load the saved forward of this runner's key from ``directory``, or remember how to
-        compile and save it at the first step (:mod:`paged_ops.engine.precompile`)."""
+        compile and save it at the first step (:mod:`paged_ops.engine.precompile`); ``options``:
+        the runner's switches that shape the traced forward (part of the key)."""
         reason = precompile.supported()
         table = self.pa.backend_table()
-        if reason is None and not self._graph_safe_everywhere(table):
+        chosen = all(all(names) for names in table.values())  # unknown GPUs time at the 1st step
+        if reason is None and not (chosen and all(self._graph_safe(kind) for kind in table)):
             reason = f"a backend plans on the host or is not chosen yet ({table})"
         if reason is not None:
             self.precompiled_status = f"not used: {reason}"
@@ -252,7 +254,7 @@ class ModelRunner:
         builder, cache = self.pa.builder, self.pa.kv_cache
         device = self.device
         settings = dict(
-            runner=self._settings,
+            runner=options,
             builder=[builder.max_num_seqs, builder.max_num_tokens, builder.max_blocks_per_seq,
                      self.pa.block_size],
             cache=[tuple(cache.layers[0].shape), str(cache.layers[0].dtype), len(cache.layers)],
@@ -275,11 +277,6 @@ class ModelRunner:
             else:
                 self.precompiled_status = "loaded"
                 self._check_precompiled = True
-
-    def _graph_safe_everywhere(self, table: dict[str, list[str]]) -> bool:
-        from paged_ops.backends.by_step import is_planned
-
-        return all(name and not is_planned(name) for names in table.values() for name in names)
 
     def _call_precompiled(
         self, args: tuple[torch.Tensor, ...]
@@ -499,11 +496,11 @@ class ModelRunner:
         n = min(n, size * (1 + len(extra)))
         tokens = max(n, 2)
         slices = [SequenceSlice([block, *extra], 0, n)]
+        vocab = int(self.model.config.vocab_size)
         steps = []
         try:
             for forward in (self._model_forward, lambda *args: self._call_precompiled(args)):
                 self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=1)
-                vocab = int(self.model.config.vocab_size)
                 self._load_ids([(7 * i + 3) % vocab for i in range(n)], tokens)
                 md = self.pa.metadata
                 args = (self.input_ids[:tokens], md.positions, md.logits_indices)
