@@ -15,6 +15,7 @@ nothing else carries over between processes.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -30,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_generate as bg  # noqa: E402
 
 MARK = "PAGED_OPS_WARMUP_START "  # the child's result line on stdout
+LAUNCH_VAR = "PAGED_OPS_WARMUP_LAUNCHED_AT"  # the parent's time.time() when it started the child
+EXIT_MARK = "PAGED_OPS_WARMUP_EXIT "  # the child's atexit hooks: "<stretch name> <seconds>"
 TOOL_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE")
 
 
@@ -44,6 +47,7 @@ def measure_starts(argv: list[str], num_starts: int, cache_dir: str | None = Non
     starts = []
     for i in range(num_starts):
         t0 = time.perf_counter()
+        env[LAUNCH_VAR] = repr(time.time())
         proc = subprocess.run(
             [sys.executable, __file__, *argv], env=env, stdout=subprocess.PIPE, text=True
         )
@@ -55,16 +59,44 @@ def measure_starts(argv: list[str], num_starts: int, cache_dir: str | None = Non
             print(f"  start {i + 1}: failed ({proc.returncode}): {tail}", flush=True)
             continue
         start = dict(json.loads(lines[-1].removeprefix(MARK)), process_s=wall)
+        start["timeline_s"] = timeline(start.pop("marks"), proc.stdout, wall)
         starts.append(start)
         print(f"  start {i + 1}: LLM warm-up {start['breakdown_text']}; "
               f"model {start['model_s']:.1f} s, first generate {start['first_generate_s']:.2f} "
-              f"s, process {wall:.1f} s", flush=True)  # fmt: skip
+              f"s, process {wall:.1f} s, compile worker pools "
+              f"{start['compile_worker_pools']}", flush=True)  # fmt: skip
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in start["timeline_s"].items())
+        print(f"    process timeline (s): {parts}", flush=True)
     out: dict = {"cache_dir": root, "starts": starts}
     for i, key in enumerate(("warmup_first_start_s", "warmup_second_start_s")):
         out[key] = starts[i].get("warmup_s") if i < len(starts) else None
     shown = [f"{s['warmup_s']:.1f} s" if "warmup_s" in s else "failed" for s in starts]
     print(f"  LLM warm-up per start: {', '.join(shown)}", flush=True)
     return out
+
+
+def timeline(marks: dict[str, float], stdout: str, wall: float) -> dict[str, float]:
+    """Seconds per stretch of a child's life, from its marks (seconds since the parent launched
+    it) and the exit marks its ``atexit`` hooks printed: the last stretches are Python's
+    shutdown of threads (executors) before the ``atexit`` hooks, the hooks (Inductor's compile
+    worker pool), and the rest (module teardown, CUDA context, process exit)."""
+    for line in stdout.splitlines():
+        if line.startswith(EXIT_MARK):
+            name, at = line.removeprefix(EXIT_MARK).rsplit(" ", 1)
+            marks[name] = float(at)
+    marks["process end"] = wall
+    out, last = {}, 0.0
+    for name, at in marks.items():
+        out[name] = round(at - last, 3)
+        last = at
+    return out
+
+
+def compile_worker_pools() -> int:
+    """How many pools of compile workers Inductor started in this process (its pool shuts down
+    at exit, which waits for workers still booting)."""
+    module = sys.modules.get("torch._inductor.async_compile")
+    return len(getattr(module, "_pool_set", ())) if module is not None else 0
 
 
 def compile_phases(top: int = 12) -> dict[str, float]:
@@ -78,10 +110,25 @@ def compile_phases(top: int = 12) -> dict[str, float]:
 
 def child(argv: list[str]) -> None:
     """One start: build the LLM of ``bench_generate``'s default cases, print its warm-up."""
+    launched = float(os.environ.get(LAUNCH_VAR, time.time()))
+    marks: dict[str, float] = {}  # name of the stretch that ends -> seconds since the launch
+
+    def mark(name: str) -> None:
+        marks[name] = time.time() - launched
+
+    def exit_mark(name: str) -> None:
+        print(f"{EXIT_MARK}{name} {time.time() - launched:.4f}", flush=True)
+
+    mark("Python start + imports")  # torch, transformers, bench_generate
+    atexit.register(exit_mark, "atexit hooks")  # runs last of the hooks
+    if torch.cuda.is_available():
+        torch.empty(1, device="cuda")  # the context, before the model's first allocation
+    mark("CUDA init")
     from paged_ops import SamplingParams
     from paged_ops.engine.compile_cache import compile_cache_status
     from paged_ops.engine.runner import format_breakdown
 
+    mark("paged_ops imports")
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("paged_ops").setLevel(logging.INFO)  # the cache dirs and the breakdown
     args = bg.parse_args(argv)
@@ -91,11 +138,14 @@ def child(argv: list[str]) -> None:
     model = bg.build_model(cfg, bg.DEVICE)
     bg.sync()
     model_s = time.perf_counter() - t0
+    mark("model")
     llm = bg.make_llm(cfg, batches, args.prompt_len, args.new_tokens, args, args.kv_dtypes[0],
                       model)  # fmt: skip
+    mark("LLM(...)")
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     ps = bg.prompts(max(batches), args.prompt_len, cfg.vocab_size)
     _, first = bg.timed(lambda: len(llm.generate(ps, params, use_tqdm=False)))
+    mark("first generate")
     result = dict(
         warmup_s=llm.warmup_s,
         breakdown=llm.warmup_breakdown,
@@ -108,8 +158,12 @@ def child(argv: list[str]) -> None:
         backend=llm.pa.layer_backends[0],
         backend_table=llm.pa.backend_table(),
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        compile_worker_pools=compile_worker_pools(),
     )
+    mark("report")
+    result["marks"] = marks
     print(MARK + json.dumps(result), flush=True)
+    atexit.register(exit_mark, "thread shutdown")  # runs first of the hooks, after the threads
 
 
 if __name__ == "__main__":
