@@ -187,7 +187,7 @@ from torch._dynamo.utils import counters
 from paged_ops import LLM, SamplingParams
 from test_engine_gpu import small_llama
 
-llm = LLM(small_llama(torch.bfloat16), max_num_seqs=8, max_model_len=256, precompile=True)
+llm = LLM(small_llama(torch.bfloat16), max_num_seqs=8, max_model_len=256)  # on by default
 prompts = [[1, 5, 9, 13, 17], [2, 4, 6], list(range(3, 90))]
 out = llm.generate(prompts, SamplingParams(max_new_tokens=24), use_tqdm=False)
 print(json.dumps(dict(tokens=[o.token_ids for o in out], status=llm.runner.precompiled_status,
@@ -196,7 +196,7 @@ print(json.dumps(dict(tokens=[o.token_ids for o in out], status=llm.runner.preco
 
 
 def test_a_precompiled_forward_loads_in_a_new_process_with_the_same_tokens(tmp_path):
-    """LLM(precompile=True) on the GPU (compile, CUDA graphs, overlap): the first process saves
+    """A CUDA LLM precompiles by default (compile, CUDA graphs, overlap): the first process saves
     the forward, the second loads it (its check against eager passes), traces nothing with
     Dynamo and generates the first one's tokens."""
     from engine_models import fresh_starts

@@ -66,7 +66,7 @@ def llm(base) -> LLM:
             r"gpu_memory_utilization must be in \(0, 1\]",
         ),
         (dict(backend="cuda"), ValueError, "backend must be 'auto' or one of"),
-        (dict(compile="yes"), TypeError, "compile must be True or False"),
+        (dict(compile="yes"), TypeError, "compile must be True, False or None"),
         (dict(overlap=1), TypeError, "overlap must be True or False"),
     ],
 )

@@ -125,12 +125,26 @@ def test_precompile_is_refused_where_it_does_not_apply(kwargs, clash):
         LLM(tiny_llama(), precompile=True, **{**SIZES, **kwargs})
 
 
-def test_precompile_must_be_a_bool():
-    with pytest.raises(TypeError, match="precompile"):
+def test_precompile_must_be_a_bool_or_none():
+    with pytest.raises(TypeError, match="precompile must be True, False or None, got int 1"):
         LLM(tiny_llama(), precompile=1, **SIZES)
 
 
-def test_off_by_default_nothing_is_saved(tmp_path):
+def test_by_default_only_a_cuda_model_whose_settings_allow_it_is_precompiled():
+    """``precompile=None`` decides from the device and the settings alone (no GPU needed here)."""
+    from paged_ops.engine.llm import default_precompile
+
+    flags = dict(compile=True, compile_regions=False)
+    assert default_precompile(True, flags, None, None, None)
+    assert not default_precompile(False, flags, None, None, None)  # CPU: only when asked
+    assert not default_precompile(True, {**flags, "compile": False}, None, None, None)
+    assert not default_precompile(True, {**flags, "compile_regions": True}, None, None, None)
+    assert not default_precompile(True, flags, object(), None, None)  # speculative
+    assert not default_precompile(True, flags, None, object(), None)  # tensor parallel
+    assert not default_precompile(True, flags, None, None, False)  # no cache dir
+
+
+def test_off_by_default_on_the_cpu_nothing_is_saved(tmp_path):
     with LLM(tiny_llama(), compile=False, cache_dir=tmp_path, **SIZES) as llm:
         assert llm.runner.precompiled_status == "off" and llm.runner.precompiled_path is None
         assert "precompiled" not in llm.warmup_breakdown

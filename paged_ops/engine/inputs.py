@@ -50,8 +50,11 @@ def check_llm_args(
         flags: compile (``None`` = by device) and the boolean switches.
     """
     for name, value in flags.items():
-        if not (isinstance(value, bool) or (name == "compile" and value is None)):
-            raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+        if not (isinstance(value, bool) or (name in ("compile", "precompile") and value is None)):
+            allowed = (
+                "True, False or None" if name in ("compile", "precompile") else "True or False"
+            )
+            raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
     given = {k: v for k, v in sizes.items() if v is not None}
     for name, low in _MIN_SIZES.items():
         if name in given:

@@ -137,6 +137,9 @@ class ModelRunner:
         precompile_dir: with ``compile`` (whole model), where the forward compiled ahead of time
             is saved and looked for (:mod:`paged_ops.engine.precompile`): a start that finds its
             key there skips Dynamo's trace; None = the usual ``torch.compile``.
+        precompile_quiet: precompiling was the LLM's default, not asked for: a setting that
+            rules it out at set-up (a backend that plans on the host) is logged as info, not
+            warned about.
     """
 
     def __init__(
@@ -153,6 +156,7 @@ class ModelRunner:
         verify_tokens: int = 0,
         verify_max_seqs: int = 0,
         precompile_dir: Path | None = None,
+        precompile_quiet: bool = False,
     ) -> None:
         self.model, self.pa = model, pa
         self.device = pa.kv_cache.device
@@ -180,6 +184,7 @@ class ModelRunner:
         self._precompiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._precompile_source: tuple[Callable, str | Callable] | None = None
         self._check_precompiled = False
+        self._precompile_quiet = precompile_quiet  # chosen by default: set-up refusals are info
         if compile:
             # (regions run the model's own forward, the rotary module included, eagerly between
             # the compiled layers: a table there would only be built and bypassed)
@@ -249,12 +254,14 @@ class ModelRunner:
             reason = f"a backend plans on the host or is not chosen yet ({table})"
         if reason is not None:
             self.precompiled_status = f"not used: {reason}"
-            precompile.logger.warning("precompile=True %s", self.precompiled_status)
+            log = precompile.logger.info if self._precompile_quiet else precompile.logger.warning
+            log("precompile %s", self.precompiled_status)
             return
         builder, cache = self.pa.builder, self.pa.kv_cache
         device = self.device
         settings = dict(
             runner=options,
+            compiler=INNER_BACKEND,  # (tests swap in aot_eager)
             builder=[builder.max_num_seqs, builder.max_num_tokens, builder.max_blocks_per_seq,
                      self.pa.block_size],
             cache=[tuple(cache.layers[0].shape), str(cache.layers[0].dtype), len(cache.layers)],
@@ -499,7 +506,7 @@ class ModelRunner:
         vocab = int(self.model.config.vocab_size)
         steps = []
         try:
-            for forward in (self._model_forward, lambda *args: self._call_precompiled(args)):
+            for forward in (self._model_forward, self._call_loaded):
                 self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=1)
                 self._load_ids([(7 * i + 3) % vocab for i in range(n)], tokens)
                 md = self.pa.metadata
@@ -519,6 +526,11 @@ class ModelRunner:
             precompile.discard(self.precompiled_path, why)
             self.precompiled_status = f"discarded: {why}"
             self._precompiled = None  # compiled ahead (and saved again) at the next call
+
+    def _call_loaded(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loaded forward's first call, with its kernels loaded in this process."""
+        with precompile.in_process_kernels():
+            return self._call_precompiled(args)
 
     @torch.inference_mode()
     def warm_up(self) -> dict[str, Any]:
