@@ -112,6 +112,45 @@ def test_the_key_changes_with_what_the_trace_depends_on():
     assert artifact_key(tiny_llama().to(torch.float64), settings) != key
 
 
+def _steering_hook(scale: float):
+    def hook(module, args, output):
+        return output + scale  # what a steering vector does: the trace runs it
+
+    return hook
+
+
+def test_the_key_changes_with_forward_hooks_and_instance_forwards():
+    """A hook is traced into the forward: a loaded forward saved without it (or with another
+    constant) would silently skip it when the eager check cannot tell (a small shift)."""
+    from paged_ops.engine.precompile import artifact_key
+
+    settings: dict = {}
+    key = artifact_key(tiny_llama(), settings)
+    hooked = tiny_llama()
+    hooked.model.layers[0].mlp.register_forward_hook(_steering_hook(0.01))
+    with_hook = artifact_key(hooked, settings)
+    assert with_hook != key
+    again = tiny_llama()
+    again.model.layers[0].mlp.register_forward_hook(_steering_hook(0.01))
+    assert artifact_key(again, settings) == with_hook  # a new closure of the same hook
+    other = tiny_llama()
+    other.model.layers[0].mlp.register_forward_hook(_steering_hook(0.02))
+    assert artifact_key(other, settings) != with_hook  # the constant it closes over
+    pre = tiny_llama()
+    pre.model.layers[0].register_forward_pre_hook(lambda module, args: None)
+    assert artifact_key(pre, settings) != key
+    patched = tiny_llama()
+    norm = patched.model.norm
+    patched.model.norm.forward = lambda x: type(norm).forward(norm, x) * 2
+    assert artifact_key(patched, settings) != key
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
+    try:
+        assert artifact_key(tiny_llama(), settings) != key
+    finally:
+        handle.remove()
+    assert artifact_key(tiny_llama(), settings) == key
+
+
 @pytest.mark.parametrize(
     ("kwargs", "clash"),
     [

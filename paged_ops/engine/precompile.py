@@ -15,9 +15,13 @@ What this gives up, and how it is made safe:
   objects that exist only in the saving process), so the loaded forward runs unguarded. The file
   is found by a key over everything the trace depends on: the torch, transformers and paged_ops
   versions, a digest of paged_ops' own sources, the model's class, the source file of each of its
-  module classes, its config and every parameter's and buffer's name, shape and dtype, the
-  engine's settings (cache, tables, backends per layer and step kind) and Inductor's
-  configuration. The engine's steps are the only calls, and the usual whole-model compile makes
+  module classes, its config and every parameter's and buffer's name, shape and dtype, its
+  modules' forward hooks, torch's global module hooks and any ``forward`` set on a module
+  instance (name, bytecode and the scalars they close over), the engine's settings (cache,
+  tables, backends per layer and step kind) and Inductor's configuration. Not covered: a plain
+  Python attribute of a module changed at run time (not through the config), and what a hook
+  reads from objects other than its closure's scalars and tensors; the check at load catches
+  such a change only when it moves the logits beyond the dtype's noise. The engine's steps are the only calls, and the usual whole-model compile makes
   one graph for all of them (1 unique graph after a warm-up and greedy and sampled generation on
   the CPU), so one unguarded function serves what the guarded path served.
 * **Checked at load.** Inductor's generated code asserts every input's size and stride. And one
@@ -46,7 +50,9 @@ import inspect
 import json
 import logging
 import os
+import re
 import tempfile
+import types
 import unittest.mock
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -100,6 +106,64 @@ def _model_sources(model: nn.Module) -> list[tuple[str, str]]:
     return sorted(out.items())
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")  # what a forward runs of a module's hooks
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # in default reprs: differs between processes
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """sha256 of a code object's bytecode and constants (nested code objects by their own digest,
+    not their repr, which holds an address)."""
+    h = hashlib.sha256(code.co_code)
+    for const in code.co_consts:
+        h.update(_code_digest(const).encode() if isinstance(const, types.CodeType) else
+                 repr(const).encode())  # fmt: skip
+    h.update(repr(code.co_names).encode())
+    return h.hexdigest()[:16]
+
+
+def _function_identity(fn: Any) -> str:
+    """A hook's or an instance ``forward``'s name, code digest and simple closure values (a
+    float captured by a hook is baked into the graph as a constant)."""
+    fn = getattr(fn, "__func__", fn)
+    if isinstance(fn, functools.partial):
+        bound = _ADDRESS.sub("", f"{fn.args!r:.200}, {fn.keywords!r:.200}")
+        return f"partial({_function_identity(fn.func)}, {bound})"
+    code = getattr(fn, "__code__", None)
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+    if code is None:
+        return name
+    cells = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if value is None or isinstance(value, (bool, int, float, str)):
+            cells.append(_ADDRESS.sub("", repr(value)))
+        elif isinstance(value, torch.Tensor):
+            cells.append(f"tensor{tuple(value.shape)}:{value.dtype}")
+    return f"{name}:{_code_digest(code)}:{','.join(cells)}"
+
+
+def _model_hooks(model: nn.Module) -> list[tuple[str, str, str]]:
+    """``(module, kind, function)`` for every forward hook on ``model``'s modules, torch's global
+    module hooks and every ``forward`` set on a module instance: the trace runs them (a hook that
+    adds a steering vector changes the outputs), so a loaded forward must not outlive them."""
+    from torch.nn.modules import module as module_mod
+
+    out = []
+    for name, module in model.named_modules():
+        for kind in _HOOK_DICTS:
+            for hook in getattr(module, kind, {}).values():
+                out.append((name, kind, _function_identity(hook)))
+        if "forward" in vars(module):
+            out.append((name, "forward", _function_identity(vars(module)["forward"])))
+    for kind in ("_global_forward_pre_hooks", "_global_forward_hooks"):
+        for hook in getattr(module_mod, kind, {}).values():
+            out.append(("", kind, _function_identity(hook)))
+    return out
+
+
 def artifact_key(model: nn.Module, settings: dict[str, Any]) -> str:
     """A hex key over what the traced forward depends on; ``settings``: the engine's (JSON-able
     with ``str`` for the rest)."""
@@ -127,6 +191,7 @@ def artifact_key(model: nn.Module, settings: dict[str, Any]) -> str:
         sources=_source_digest(),
         model=f"{type(model).__module__}.{type(model).__qualname__}",
         model_sources=_model_sources(model),
+        hooks=_model_hooks(model),
         config=to_json(use_diff=False) if callable(to_json) else repr(config),
         tensors=[
             (name, tuple(t.shape), str(t.dtype), t.device.type)
