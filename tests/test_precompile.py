@@ -151,6 +151,25 @@ def test_the_key_changes_with_forward_hooks_and_instance_forwards():
     assert artifact_key(tiny_llama(), settings) == key
 
 
+def test_the_key_changes_when_a_modeling_function_is_swapped(monkeypatch):
+    """A library that patches a modeling module's function at run time (a fused RoPE) changes
+    what the trace calls while every source file stays as it was."""
+    from transformers.models.llama import modeling_llama
+
+    from paged_ops.engine.precompile import artifact_key
+
+    key = artifact_key(tiny_llama(), {})
+    original = modeling_llama.apply_rotary_pos_emb
+
+    def fused_rope(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", fused_rope)
+    assert artifact_key(tiny_llama(), {}) != key
+    monkeypatch.undo()
+    assert artifact_key(tiny_llama(), {}) == key
+
+
 @pytest.mark.parametrize(
     ("kwargs", "clash"),
     [

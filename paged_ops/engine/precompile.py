@@ -18,7 +18,9 @@ What this gives up, and how it is made safe:
   module classes, its config and every parameter's and buffer's name, shape and dtype, its
   modules' forward hooks, torch's global module hooks and any ``forward`` set on a module
   instance (name, bytecode and the scalars they close over), the engine's settings (cache,
-  tables, backends per layer and step kind) and Inductor's configuration. Not covered: a plain
+  tables, backends per layer and step kind), where each function and class that the modeling
+  modules hold as a global comes from (a run-time swap of ``apply_rotary_pos_emb``) and
+  Inductor's configuration. Not covered: a plain
   Python attribute of a module changed at run time (not through the config), and what a hook
   reads from objects other than its closure's scalars and tensors; the check at load catches
   such a change only when it moves the logits beyond the dtype's noise. The engine's steps are the only calls, and the usual whole-model compile makes
@@ -164,6 +166,24 @@ def _model_hooks(model: nn.Module) -> list[tuple[str, str, str]]:
     return out
 
 
+def _modeling_globals(model: nn.Module) -> list[tuple[str, str]]:
+    """``(module.name, where the value comes from)`` for every function and class that the
+    modules defining ``model``'s classes hold as globals: the trace calls them, and a run-time
+    swap (``modeling_llama.apply_rotary_pos_emb = my_rope``) leaves every source file as it was."""
+    import sys
+
+    names = {type(m).__module__ for m in model.modules()}
+    out = []
+    for module_name in sorted(names):
+        module = sys.modules.get(module_name)
+        for name, value in sorted(vars(module).items()) if module is not None else ():
+            if name.startswith("__") or not callable(value) or isinstance(value, types.ModuleType):
+                continue
+            origin = f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
+            out.append((f"{module_name}.{name}", origin))
+    return out
+
+
 def artifact_key(model: nn.Module, settings: dict[str, Any]) -> str:
     """A hex key over what the traced forward depends on; ``settings``: the engine's (JSON-able
     with ``str`` for the rest)."""
@@ -192,6 +212,7 @@ def artifact_key(model: nn.Module, settings: dict[str, Any]) -> str:
         model=f"{type(model).__module__}.{type(model).__qualname__}",
         model_sources=_model_sources(model),
         hooks=_model_hooks(model),
+        modeling_globals=_modeling_globals(model),
         config=to_json(use_diff=False) if callable(to_json) else repr(config),
         tensors=[
             (name, tuple(t.shape), str(t.dtype), t.device.type)
