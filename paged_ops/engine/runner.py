@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paged_ops.engine import fusion, precompile
+from paged_ops.engine import fusion, precompile, variant_prebuild
 from paged_ops.engine.regions import CompiledRegions, own_code
 from paged_ops.engine.rope_tables import RopeTables
 from paged_ops.engine.sampler import greedy_ids, host_to_device
@@ -546,7 +546,10 @@ class ModelRunner:
             graph cache; eager without ``compile``), ``shapes_s`` the other ``num_shapes - 1``
             warm-up steps (kernel variants JIT-built or loaded from Triton's cache),
             ``graph_warmup_s`` the runs before captures, ``capture_s`` the ``num_graphs``
-            captures, ``capture_each_s`` each bucket's run + capture.
+            captures, ``capture_each_s`` each bucket's run + capture; on a GPU first compile,
+            ``prebuilt`` the triton variants built in a thread beside it and ``prebuild_wait_s``
+            the wait for that thread after the first step
+            (:mod:`paged_ops.engine.variant_prebuild`).
         """
         allocator = self.pa.allocator
         if not allocator.can_allocate(1):
@@ -563,18 +566,32 @@ class ModelRunner:
     def _warm_up(self, block: int) -> dict[str, Any]:
         shapes = self._warm_up_shapes()
         times: dict[str, Any] = dict(compile_s=0.0, shapes_s=0.0, num_shapes=len(shapes))
+        prebuild = None
         if self._check_precompiled:  # counted as compile time: it stands in for the trace
             t0 = time.perf_counter()
             self._check_loaded_forward(block)
             times["compile_s"] += self._elapsed(t0)
-        for i, (tokens, seqs) in enumerate(shapes):
-            t0 = time.perf_counter()
-            n = min(tokens // seqs, self.pa.max_model_len)
-            slices = [SequenceSlice([block] * -(-n // self.pa.block_size), 0, n)] * seqs
-            self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
-            self._load_ids([0] * (n * seqs), tokens)
-            self._call(tokens)
-            times["compile_s" if i == 0 else "shapes_s"] += self._elapsed(t0)
+        elif self._compiled and self.device.type == "cuda":  # variants beside the compile
+            k = self.verify_tokens
+            steps = shapes + [(b, b) for b in self.buckets]
+            steps += [(b * (k + 1), b) for b in self.verify_buckets]
+            prebuild = variant_prebuild.start(self.pa, steps)
+        try:
+            for i, (tokens, seqs) in enumerate(shapes):
+                t0 = time.perf_counter()
+                n = min(tokens // seqs, self.pa.max_model_len)
+                slices = [SequenceSlice([block] * -(-n // self.pa.block_size), 0, n)] * seqs
+                self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
+                self._load_ids([0] * (n * seqs), tokens)
+                self._call(tokens)
+                times["compile_s" if i == 0 else "shapes_s"] += self._elapsed(t0)
+                if i == 0 and prebuild is not None:  # the later steps find their variants
+                    t0 = time.perf_counter()
+                    prebuild[0].join()
+                    times.update(prebuild_wait_s=self._elapsed(t0), prebuilt=prebuild[1][0])
+        finally:
+            if prebuild is not None:
+                prebuild[0].join()
         if self.verify_tokens and self._compiled:  # logits at every token: R = T rows
             t0 = time.perf_counter()
             n, seqs = self.verify_tokens + 1, min(2, self.max_num_seqs)
@@ -635,6 +652,9 @@ def format_breakdown(times: dict[str, Any]) -> str:
         f"{times['shapes_s']:.2f} s, {times['num_graphs']} graphs {times['graph_warmup_s']:.2f} s "
         f"warm-up + {times['capture_s']:.2f} s capture"
     )
+    if "prebuilt" in times:
+        line += (f" ({times['prebuilt']} kernel variants built beside the compile, "
+                 f"{times['prebuild_wait_s']:.2f} s waited for)")  # fmt: skip
     if "precompiled" in times:
         line += f" (precompiled forward: {times['precompiled']})"
     if "setup_s" in times:

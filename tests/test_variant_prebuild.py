@@ -1,0 +1,59 @@
+"""The thread that builds the triton attention's kernel variants beside a first start's compile
+(``engine/variant_prebuild.py``): one call per distinct (layer kind, launch configuration), each
+with arguments the backend accepts. Here the kernels run in Triton's interpreter, so what is
+checked is the calls (none may fail: a failure is swallowed on the GPU and would only show as a
+slower first start); that they compile what the engine's steps then launch is
+``tests/test_engine_gpu.py::test_after_the_warm_up_no_step_compiles_a_triton_kernel_variant``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from paged_ops.backends import triton as triton_backend
+from paged_ops.engine import variant_prebuild
+from paged_ops.engine.runner import warm_up_shapes
+from paged_ops.module import LayerConfig, PagedAttention
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="triton on CPU tensors needs the interpreter"
+)
+
+
+def two_kind_pa(kv_cache_dtype: str | None) -> PagedAttention:
+    layers = [LayerConfig(), LayerConfig(sliding_window=8, has_sinks=True)]  # two layer kinds
+    return PagedAttention(
+        num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, layers=layers, num_blocks=32,
+        block_size=16, max_model_len=512, max_num_seqs=4, max_num_tokens=64, dtype=torch.float16,
+        backend="triton", kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
+def test_one_call_per_variant_and_every_call_accepted(kv_cache_dtype, monkeypatch):
+    monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 132)  # an H100's KV splits
+    pa = two_kind_pa(kv_cache_dtype)
+    steps = warm_up_shapes(4, 64, on_gpu=True) + [(1, 1), (2, 2), (4, 4)]
+    work = variant_prebuild._steps_per_variant(pa, steps)
+    max_kv_len = pa.builder.max_blocks_per_seq * pa.block_size
+    want = set()
+    for spec in pa.layer_specs:
+        config_of = triton_backend.layer_launch_config(spec, max_kv_len, 132)
+        want |= {(spec, config_of(*step)) for step in steps}
+    got = [(pa.layer_specs[layer], triton_backend.layer_launch_config(
+        pa.layer_specs[layer], max_kv_len, 132)(*step)) for layer, step in work]  # fmt: skip
+    assert len(got) == len(set(got)) and set(got) == want  # each variant once, none missed
+    assert {layer for layer, _ in work} == {0, 1}
+    assert len({cfg.num_segments for _, cfg in got}) > 1  # split-KV with its reduce kernel too
+    built = [0]
+    variant_prebuild._build_all(pa, work, built)
+    assert built[0] == len(work)
+
+
+def test_layers_that_triton_does_not_serve_are_left_out():
+    pa = PagedAttention(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, num_blocks=8,
+                        block_size=4, max_model_len=16, max_num_seqs=2, backend="reference")  # fmt: skip
+    assert variant_prebuild._steps_per_variant(pa, [(2, 2), (8, 2)]) == []
+    assert variant_prebuild.start(pa, [(2, 2)]) is None  # (and not on the CPU anyway)
