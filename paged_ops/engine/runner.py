@@ -298,7 +298,7 @@ class ModelRunner:
                     self._precompiled = precompile.compile_ahead(function, backend, (self, *args))
             except Exception as e:  # noqa: BLE001 - the usual compile serves instead
                 self.precompiled_status = f"not used: compiling ahead failed: {e!r}"
-                precompile.logger.warning("precompile=True %s", self.precompiled_status)
+                precompile.logger.warning("precompiled forward %s", self.precompiled_status)
                 self.precompiled_path = self._precompile_source = None
                 with _no_duck_shapes():
                     return self._forward(*args)
@@ -306,7 +306,7 @@ class ModelRunner:
                 size = precompile.save(self._precompiled, self.precompiled_path, self)
             except Exception as e:  # noqa: BLE001 - serving goes on without the file
                 self.precompiled_status = f"not saved: {e!r}"
-                precompile.logger.warning("precompile=True: %s", self.precompiled_status)
+                precompile.logger.warning("precompiled forward %s", self.precompiled_status)
             else:
                 discarded = self.precompiled_status.startswith("discarded")
                 self.precompiled_status = (
@@ -464,6 +464,12 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - since
 
+    def _graph_steps(self) -> list[tuple[int, int]]:
+        """``(T, S)`` of the steps the CUDA graphs capture: decode buckets, then verify buckets
+        (``k + 1`` tokens per sequence)."""
+        k = self.verify_tokens
+        return [(b, b) for b in self.buckets] + [(b * (k + 1), b) for b in self.verify_buckets]
+
     def _warm_up_shapes(self) -> list[tuple[int, int]]:
         """``(T, S)`` steps that the warm-up runs, in order, each once: the fixed list, then on a
         GPU one step for each triton launch configuration (kernel variant) that a step the
@@ -475,9 +481,7 @@ class ModelRunner:
         from paged_ops.backends import triton as triton_backend
         from paged_ops.backends.triton_variants import reachable_configs
 
-        k = self.verify_tokens
-        met_steps = shapes + [(b, b) for b in self.buckets]
-        met_steps += [(b * (k + 1), b) for b in self.verify_buckets]
+        met_steps = shapes + self._graph_steps()
         max_kv_len = self.pa.builder.max_blocks_per_seq * self.pa.block_size
         num_sms = triton_backend._num_sms(self.device)
         extra: list[tuple[int, int]] = []
@@ -572,10 +576,7 @@ class ModelRunner:
             self._check_loaded_forward(block)
             times["compile_s"] += self._elapsed(t0)
         elif self._compiled and self.device.type == "cuda":  # variants beside the compile
-            k = self.verify_tokens
-            steps = shapes + [(b, b) for b in self.buckets]
-            steps += [(b * (k + 1), b) for b in self.verify_buckets]
-            prebuild = variant_prebuild.start(self.pa, steps)
+            prebuild = variant_prebuild.start(self.pa, shapes + self._graph_steps())
         try:
             for i, (tokens, seqs) in enumerate(shapes):
                 t0 = time.perf_counter()
