@@ -225,11 +225,15 @@ def test_outputs_agree_takes_bf16_drift_and_refuses_a_different_forward():
     assert outputs_agree(exact, exact) and not outputs_agree(exact + 0.05 * exact.std(), exact)
 
 
-def test_the_key_follows_inductors_configuration():
+def test_the_key_follows_the_compilers_configuration():
     from paged_ops.engine.precompile import artifact_key
 
     key = artifact_key(tiny_llama(), {})
     with torch._inductor.config.patch(coordinate_descent_tuning=True):
+        assert artifact_key(tiny_llama(), {}) != key
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):  # what Dynamo traces
+        assert artifact_key(tiny_llama(), {}) != key
+    with torch._functorch.config.patch(activation_memory_budget=0.5):  # AOTAutograd's partitioner
         assert artifact_key(tiny_llama(), {}) != key
     assert artifact_key(tiny_llama(), {}) == key
 

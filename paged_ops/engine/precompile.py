@@ -20,7 +20,7 @@ What this gives up, and how it is made safe:
   instance (name, bytecode and the scalars they close over), the engine's settings (cache,
   tables, backends per layer and step kind), where each function and class that the modeling
   modules hold as a global comes from (a run-time swap of ``apply_rotary_pos_emb``) and
-  Inductor's configuration. Not covered: a plain
+  the configurations of Dynamo, AOTAutograd (functorch) and Inductor. Not covered: a plain
   Python attribute of a module changed at run time (not through the config), and what a hook
   reads from objects other than its closure's scalars and tensors; the check at load catches
   such a change only when it moves the logits beyond the dtype's noise. The engine's steps are the only calls, and the usual whole-model compile makes
@@ -184,6 +184,15 @@ def _modeling_globals(model: nn.Module) -> list[tuple[str, str]]:
     return out
 
 
+def _portable(config: Any) -> dict[str, Any]:
+    """A torch config module's portable settings, with sets sorted (their order changes between
+    processes with string hashing)."""
+    return {
+        name: sorted(map(str, value)) if isinstance(value, (set, frozenset)) else value
+        for name, value in config.save_config_portable().items()
+    }
+
+
 def artifact_key(model: nn.Module, settings: dict[str, Any]) -> str:
     """A hex key over what the traced forward depends on; ``settings``: the engine's (JSON-able
     with ``str`` for the rest)."""
@@ -199,6 +208,8 @@ def artifact_key(model: nn.Module, settings: dict[str, Any]) -> str:
         transformers_version = transformers.__version__
     except ImportError:
         transformers_version = None
+    import torch._dynamo.config
+    import torch._functorch.config
     import torch._inductor.config as inductor_config
 
     config = getattr(model, "config", None)
@@ -220,6 +231,8 @@ def artifact_key(model: nn.Module, settings: dict[str, Any]) -> str:
         ],
         settings=settings,
         inductor=inductor_config.save_config_portable(),  # e.g. a caller's config.patch(...)
+        dynamo=_portable(torch._dynamo.config),  # what the trace does (e.g. scalar outputs)
+        functorch=_portable(torch._functorch.config),  # AOTAutograd's partitioning and more
     )
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:40]
