@@ -33,13 +33,14 @@ import bench_generate as bg  # noqa: E402
 MARK = "PAGED_OPS_WARMUP_START "  # the child's result line on stdout
 LAUNCH_VAR = "PAGED_OPS_WARMUP_LAUNCHED_AT"  # the parent's time.time() when it started the child
 EXIT_MARK = "PAGED_OPS_WARMUP_EXIT "  # the child's atexit hooks: "<stretch name> <seconds>"
-TOOL_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE")
 
 
 def measure_starts(argv: list[str], num_starts: int, cache_dir: str | None = None) -> dict:
     """Run ``num_starts`` children with ``bench_generate``'s ``argv`` sharing one cache dir."""
+    from paged_ops.engine.compile_cache import TOOL_DIRS  # each tool's own cache variable
+
     root = cache_dir or tempfile.mkdtemp(prefix="paged_ops_warmup_")
-    env = {k: v for k, v in os.environ.items() if k not in TOOL_CACHE_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in TOOL_DIRS}
     env["PAGED_OPS_CACHE_DIR"] = root
     print(
         f"warm-up starts ({num_starts}, fresh processes, PAGED_OPS_CACHE_DIR={root}):", flush=True

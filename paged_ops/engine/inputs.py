@@ -79,11 +79,16 @@ def check_llm_args(
     return given
 
 
+def on_cuda(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters live on a CUDA device."""
+    param = next(model.parameters(), None)
+    return param is not None and param.device.type == "cuda"
+
+
 def default_compile(model: nn.Module) -> bool:
     """``compile=None``: compile on CUDA (where it pays within a few requests), not on CPU (its
     warm-up of ~15-60 s outweighs what it saves for the small models that run there)."""
-    param = next(model.parameters(), None)
-    return param is not None and param.device.type == "cuda"
+    return on_cuda(model)
 
 
 def is_chat(prompt: Any) -> bool:

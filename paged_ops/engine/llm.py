@@ -31,6 +31,7 @@ from paged_ops.engine.inputs import (
     default_compile,
     encode_prompt,
     is_chat,
+    on_cuda,
 )
 from paged_ops.engine.params import (
     GenerationMetrics,
@@ -218,14 +219,14 @@ def _check_precompile(flags: dict[str, Any], speculative: Any, tp: Any, cache_di
 
 
 def default_precompile(
-    on_cuda: bool, flags: dict[str, Any], speculative: Any, tp: Any, cache_dir: object
+    cuda_model: bool, flags: dict[str, Any], speculative: Any, tp: Any, cache_dir: object
 ) -> bool:
-    """``precompile=None``: on for a CUDA model (``on_cuda``) whose settings allow it (the second
+    """``precompile=None``: on for a CUDA model (``cuda_model``) whose settings allow it (the second
     start's Dynamo trace is most of what a GPU start waits for once the compile caches are
     warm), on a torch that has the ahead-of-time API; off on the CPU, where compiling is off by
     default."""
     return (
-        on_cuda
+        cuda_model
         and not _precompile_clashes(flags, speculative, tp, cache_dir)
         and precompile_supported() is None
     )
@@ -399,8 +400,7 @@ class LLM:
             flags["compile"] = default_compile(model)
         precompile_chosen = precompile is not None  # a refusal or a fallback is worth a warning
         if precompile is None:
-            on_cuda = next(model.parameters()).device.type == "cuda"
-            precompile = default_precompile(on_cuda, flags, speculative, self.tp, cache_dir)
+            precompile = default_precompile(on_cuda(model), flags, speculative, self.tp, cache_dir)
             flags["precompile"] = precompile
         elif precompile:
             _check_precompile(flags, speculative, self.tp, cache_dir)

@@ -73,6 +73,14 @@ def warm_up_shapes(max_num_seqs: int, max_num_tokens: int, on_gpu: bool) -> list
     return list(dict.fromkeys(shapes))
 
 
+def warm_up_slices(block: int, tokens: int, seqs: int, pa: PagedAttention) -> list[SequenceSlice]:
+    """A warm-up step of ``tokens`` over ``seqs`` sequences: each gets ``min(tokens // seqs,
+    max_model_len)`` new tokens, all on the one ``block`` (K/V of different positions overwrite
+    each other there: the step's outputs mean nothing, only its shapes count)."""
+    n = min(tokens // seqs, pa.max_model_len)
+    return [SequenceSlice([block] * -(-n // pa.block_size), 0, n)] * seqs
+
+
 def _no_duck_shapes():  # returns a context manager
     from torch.fx.experimental import _config as fx_config
 
@@ -580,10 +588,9 @@ class ModelRunner:
         try:
             for i, (tokens, seqs) in enumerate(shapes):
                 t0 = time.perf_counter()
-                n = min(tokens // seqs, self.pa.max_model_len)
-                slices = [SequenceSlice([block] * -(-n // self.pa.block_size), 0, n)] * seqs
+                slices = warm_up_slices(block, tokens, seqs, self.pa)
                 self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
-                self._load_ids([0] * (n * seqs), tokens)
+                self._load_ids([0] * sum(s.num_new_tokens for s in slices), tokens)
                 self._call(tokens)
                 times["compile_s" if i == 0 else "shapes_s"] += self._elapsed(t0)
                 if i == 0 and prebuild is not None:  # the later steps find their variants

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from paged_ops.metadata import MetadataBuilder, SequenceSlice
+from paged_ops.metadata import MetadataBuilder
 from paged_ops.module import PagedAttention
 
 logger = logging.getLogger("paged_ops")
@@ -67,6 +67,7 @@ def _build(pa: PagedAttention, work: list[tuple[int, Step]], built: list[int]) -
 
 def _build_all(pa: PagedAttention, work: list[tuple[int, Step]], built: list[int]) -> None:
     from paged_ops.backends import triton as triton_backend
+    from paged_ops.engine.runner import warm_up_slices  # (the runner imports this module)
 
     src = pa.builder
     builder = MetadataBuilder(
@@ -82,8 +83,7 @@ def _build_all(pa: PagedAttention, work: list[tuple[int, Step]], built: list[int
         for layer, (tokens, seqs) in work:
             spec = pa.layer_specs[layer]
             cache, k_scale, v_scale = pa.layer_inputs(layer)  # [N, 2, B, Hkv, D], read only
-            n = min(tokens // seqs, pa.max_model_len)  # as the warm-up's own steps
-            slices = [SequenceSlice([0] * -(-n // pa.block_size), 0, n)] * seqs
+            slices = warm_up_slices(0, tokens, seqs, pa)  # as the warm-up's own steps
             md = builder.build(slices, num_tokens=tokens, num_seqs=seqs)
             query = torch.zeros(tokens, spec.num_q_heads, spec.head_dim, dtype=spec.dtype,
                                 device=device)  # [T, Hq, D]  # fmt: skip
