@@ -1,13 +1,19 @@
-"""The thread that builds the triton attention's kernel variants beside a first start's compile
-(``engine/variant_prebuild.py``): one call per distinct (layer kind, launch configuration), each
-with arguments the backend accepts. Here the kernels run in Triton's interpreter, so what is
-checked is the calls (none may fail: a failure is swallowed on the GPU and would only show as a
-slower first start); that they compile what the engine's steps then launch is
-``tests/test_engine_gpu.py::test_after_the_warm_up_no_step_compiles_a_triton_kernel_variant``."""
+"""The child process that builds the triton attention's kernel variants beside a first start's
+compile (``engine/variant_prebuild.py``): one call per distinct (layer kind, launch
+configuration), each with arguments the backend accepts (in Triton's interpreter: none may fail,
+a failure is swallowed on the GPU and would only show as a slower first start); and, compiled for
+sm_90 on the CPU with a stand-in driver (``tests/prebuild_probe.py``), the recorded variants
+built by the child are the ones the backend's own launches then find in Triton's cache. On a
+GPU: ``tests/test_engine_gpu.py::test_after_the_warm_up_no_step_compiles_a_triton_kernel_variant``."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +23,7 @@ from paged_ops.engine import variant_prebuild
 from paged_ops.engine.runner import warm_up_shapes
 from paged_ops.module import LayerConfig, PagedAttention
 
-pytestmark = pytest.mark.skipif(
+interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="triton on CPU tensors needs the interpreter"
 )
 
@@ -31,6 +37,7 @@ def two_kind_pa(kv_cache_dtype: str | None) -> PagedAttention:
     )  # fmt: skip
 
 
+@interpreter
 @pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
 def test_one_call_per_variant_and_every_call_accepted(kv_cache_dtype, monkeypatch):
     monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 132)  # an H100's KV splits
@@ -47,13 +54,31 @@ def test_one_call_per_variant_and_every_call_accepted(kv_cache_dtype, monkeypatc
     assert len(got) == len(set(got)) and set(got) == want  # each variant once, none missed
     assert {layer for layer, _ in work} == {0, 1}
     assert len({cfg.num_segments for _, cfg in got}) > 1  # split-KV with its reduce kernel too
-    built = [0]
-    variant_prebuild._build_all(pa, work, built)
-    assert built[0] == len(work)
+    assert variant_prebuild._call_each(pa, work) == len(work)
 
 
+@interpreter
 def test_layers_that_triton_does_not_serve_are_left_out():
     pa = PagedAttention(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, num_blocks=8,
                         block_size=4, max_model_len=16, max_num_seqs=2, backend="reference")  # fmt: skip
     assert variant_prebuild._steps_per_variant(pa, [(2, 2), (8, 2)]) == []
     assert variant_prebuild.start(pa, [(2, 2)]) is None  # (and not on the CPU anyway)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("kv_cache_dtype", ["", "fp8_e4m3"])
+def test_the_child_compiles_the_variants_that_the_backend_then_finds_in_the_cache(kv_cache_dtype):
+    probe = Path(__file__).with_name("prebuild_probe.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(probe), *([kv_cache_dtype] if kv_cache_dtype else [])],
+                         capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["recorded_calls"] == got["work"] >= 3  # every call accepted while recording
+    assert got["codegen_while_recording"] == 0  # recording compiles nothing
+    assert got["kernels"] == ["paged_attention_kernel", "reduce_segments_kernel"]
+    assert got["records"] > got["work"]  # the split-KV steps' reduce too
+    assert got["built"] == got["records"]  # the child built every record
+    assert got["calls_after"] == got["work"]
+    assert got["codegen_after"] == 0  # every launch found its variant in the child's cache
+    assert got["codegen_control"] >= 1  # (without the child's cache the launch compiles)

@@ -559,8 +559,8 @@ class ModelRunner:
             warm-up steps (kernel variants JIT-built or loaded from Triton's cache),
             ``graph_warmup_s`` the runs before captures, ``capture_s`` the ``num_graphs``
             captures, ``capture_each_s`` each bucket's run + capture; on a GPU first compile,
-            ``prebuilt`` the triton variants built in a thread beside it and ``prebuild_wait_s``
-            the wait for that thread after the first step
+            ``prebuilt`` the triton variants a child process built beside it and
+            ``prebuild_wait_s`` the wait for that process after the first step
             (:mod:`paged_ops.engine.variant_prebuild`).
         """
         allocator = self.pa.allocator
@@ -595,11 +595,11 @@ class ModelRunner:
                 times["compile_s" if i == 0 else "shapes_s"] += self._elapsed(t0)
                 if i == 0 and prebuild is not None:  # the later steps find their variants
                     t0 = time.perf_counter()
-                    prebuild[0].join()
-                    times.update(prebuild_wait_s=self._elapsed(t0), prebuilt=prebuild[1][0])
+                    built, prebuild = prebuild.wait(), None
+                    times.update(prebuild_wait_s=self._elapsed(t0), prebuilt=built)
         finally:
-            if prebuild is not None:
-                prebuild[0].join()
+            if prebuild is not None:  # the first step failed
+                prebuild.wait(timeout_s=0.0)
         if self.verify_tokens and self._compiled:  # logits at every token: R = T rows
             t0 = time.perf_counter()
             n, seqs = self.verify_tokens + 1, min(2, self.max_num_seqs)

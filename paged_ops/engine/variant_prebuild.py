@@ -1,27 +1,49 @@
-"""Compile the triton attention's kernel variants beside the first start's model compile.
+"""Compile the triton attention's kernel variants in a child process beside the first start's
+model compile.
 
 Each launch configuration of the triton backend is a kernel variant that Triton compiles the
 first time a step picks it (~0.5 s each on an H100 host); the warm-up's steps after the first
-(``ModelRunner._warm_up_shapes``) meet them one at a time, 2.7-4.1 s of a first start on an H100
-(benchmarks/NOTES.md sections 18-20). The first step's compile before them is 26-35 s of mostly
-single-threaded Python (Dynamo, AOTAutograd, Inductor), and Triton's MLIR, LLVM and ``ptxas``
-stages release the GIL, so a thread can build the variants meanwhile: :func:`start` calls the
-backend's ``paged_attention`` once per distinct configuration, on the layer's own cache (read
-only: attention never writes it) and metadata from a builder of its own with the engine's
-sizes, so every argument that Triton specialises on (dtypes, strides, the block table's width,
-the sequence and token counts, pointer alignment) is what the engine's step passes. The warm-up
-joins the thread after its first step; a variant the thread did not build (an error, a
-specialisation it did not foresee) compiles in the step that meets it, as without it.
+(``ModelRunner._warm_up_shapes``) meet them one at a time, 2.7-4.1 s of a first start
+(benchmarks/NOTES.md sections 18-21). The first step's compile before them is 26-37 s of mostly
+single-threaded Python (Dynamo, AOTAutograd, Inductor).
+
+How: :func:`start` calls the backend's ``paged_attention`` once per distinct (layer kind, launch
+configuration), on the layer's own cache (read only: attention never writes it) and metadata
+from a builder of its own with the engine's sizes, so every argument that Triton specialises on
+(dtypes, strides, the block table's width, the sequence and token counts, pointer alignment) is
+what the engine's step passes. During these calls Triton's ``jit_cache_hook`` records each new
+variant of a paged_ops kernel (Triton's own serialized specialization, the data of
+``JITFunction.preload``) and skips its compile, so nothing is built or launched here; a child
+process (:func:`main`) then compiles the recorded variants
+into Triton's on-disk cache (``TRITON_CACHE_DIR``, inherited), with a driver that only names the
+GPU's target: it needs no GPU of its own. The warm-up waits for the child after its first step;
+the steps then find every variant on disk (milliseconds each). A variant the child did not build
+(an error, a specialisation it did not foresee) compiles in the step that meets it, as without
+it.
+
+Why a process and not a thread: a thread compiling beside Dynamo and Inductor holds up their
+Python for most of its own compile time (the GIL, taken back after each of Triton's native
+stages), measured on the CPU at 2.5 s of main-thread time lost for 4.1 s of compiles; an H200's
+first starts had the compile phase 27-32 s without and 33-37 s with the thread (NOTES section 21).
 
 ``PAGED_OPS_PREBUILD_VARIANTS=0`` turns it off (to measure it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import logging
 import os
-import threading
-from collections.abc import Sequence
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +53,8 @@ from paged_ops.module import PagedAttention
 logger = logging.getLogger("paged_ops")
 
 Step = tuple[int, int]  # (T tokens, S sequences)
+OUR_MODULES = "paged_ops."  # kernels whose variants are recorded (others compile as usual)
+CHILD = "import sys; from paged_ops.engine.variant_prebuild import main; sys.exit(main())"
 
 
 def enabled() -> bool:
@@ -58,14 +82,9 @@ def _steps_per_variant(pa: PagedAttention, steps: Sequence[Step]) -> list[tuple[
     return out
 
 
-def _build(pa: PagedAttention, work: list[tuple[int, Step]], built: list[int]) -> None:
-    try:
-        _build_all(pa, work, built)
-    except Exception as e:  # noqa: BLE001 - the steps compile what is missing, as without it
-        logger.debug("variant prebuild stopped: %r", e)
-
-
-def _build_all(pa: PagedAttention, work: list[tuple[int, Step]], built: list[int]) -> None:
+def _call_each(pa: PagedAttention, work: list[tuple[int, Step]]) -> int:
+    """One backend ``paged_attention`` call per ``(layer, step)`` of ``work``, with the engine's
+    own argument values; returns how many calls the backend accepted."""
     from paged_ops.backends import triton as triton_backend
     from paged_ops.engine.runner import warm_up_slices  # (the runner imports this module)
 
@@ -79,6 +98,7 @@ def _build_all(pa: PagedAttention, work: list[tuple[int, Step]], built: list[int
         device=src.device,
     )
     device = pa.kv_cache.device
+    accepted = 0
     with torch.inference_mode():
         for layer, (tokens, seqs) in work:
             spec = pa.layer_specs[layer]
@@ -98,23 +118,158 @@ def _build_all(pa: PagedAttention, work: list[tuple[int, Step]], built: list[int
                     k_scale=k_scale, v_scale=v_scale,
                 )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - the step that meets it compiles it
-                logger.debug("variant prebuild of %s at %s failed: %r", spec, (tokens, seqs), e)
+                logger.debug("variant prebuild: the call for %s at %s failed: %r",
+                             spec, (tokens, seqs), e)  # fmt: skip
                 continue
-            built[0] += 1
+            accepted += 1
+    return accepted
 
 
-def start(pa: PagedAttention, steps: Sequence[Step]) -> tuple[threading.Thread, list[int]] | None:
-    """Start building the variants of ``steps`` (the warm-up's, with its graph buckets) in a
-    daemon thread; returns it and a one-element count of the variants built, or None when there
-    is nothing to do (no triton layer, off, not CUDA)."""
+@contextlib.contextmanager
+def recording_variants() -> Iterator[list[dict[str, str]]]:
+    """Within the block, a paged_ops Triton kernel launched with a variant this process has not
+    built is recorded and neither compiled nor launched (Triton's ``jit_cache_hook`` returns
+    True); other kernels compile as usual. Yields the records: ``{"module", "name", "data"}``
+    with ``data`` Triton's serialized specialization (``JITFunction.preload``'s input)."""
+    from triton import knobs
+
+    records: list[dict[str, str]] = []
+    seen: set[str] = set()
+    before = knobs.runtime.jit_cache_hook
+
+    def hook(**kwargs: Any) -> bool | None:
+        fn = kwargs["fn"].jit_function.fn
+        module = getattr(fn, "__module__", "") or ""
+        if not module.startswith(OUR_MODULES):
+            return before(**kwargs) if before is not None else None
+        data = kwargs["compile"]["specialization_data"]
+        if data not in seen:
+            seen.add(data)
+            records.append({"module": module, "name": fn.__name__, "data": data})
+        return True  # recorded: skip the compile (and so the launch)
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield records
+    finally:
+        knobs.runtime.jit_cache_hook = before
+
+
+def current_target() -> dict[str, Any]:
+    """The active GPU's Triton target (``GPUTarget`` fields: backend, arch, warp_size)."""
+    from triton.runtime import driver
+
+    return dataclasses.asdict(driver.active.get_current_target())
+
+
+@dataclasses.dataclass
+class Prebuild:
+    """A child process compiling recorded variants; :meth:`wait` for it."""
+
+    process: subprocess.Popen
+    workdir: Path
+    num_variants: int
+
+    def wait(self, timeout_s: float = 300.0) -> int:
+        """Wait for the child (killed after ``timeout_s``); returns the variants it compiled or
+        found in Triton's cache. Failures are logged (DEBUG) and count as not built."""
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            logger.debug("variant prebuild: the child took more than %.0f s; killed", timeout_s)
+        built = 0
+        try:
+            result = json.loads((self.workdir / "result.json").read_text())
+            built = int(result["built"])
+            for failure in result.get("failed", []):
+                logger.debug("variant prebuild: %s", failure)
+        except (OSError, ValueError, KeyError) as e:
+            err = (self.workdir / "stderr.txt").read_text(errors="replace")[-2000:]
+            logger.debug("variant prebuild: no result from the child (%r): %s", e, err)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        return built
+
+
+def spawn(records: list[dict[str, str]], target: dict[str, Any]) -> Prebuild:
+    """Start the child that compiles ``records`` for ``target`` into Triton's on-disk cache."""
+    workdir = Path(tempfile.mkdtemp(prefix="paged_ops_prebuild_"))
+    jobs = workdir / "jobs.json"
+    jobs.write_text(json.dumps({"target": target, "records": records}))
+    with open(workdir / "stderr.txt", "wb") as err:
+        process = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(workdir)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+            env={**os.environ, "TRITON_INTERPRET": "0"},
+        )  # fmt: skip
+    return Prebuild(process, workdir, len(records))
+
+
+def start(pa: PagedAttention, steps: Sequence[Step]) -> Prebuild | None:
+    """Record the variants of ``steps`` (the warm-up's, with its graph buckets) and start the
+    child that compiles them; None when there is nothing to do (no triton layer, off, not CUDA,
+    every variant already built in this process)."""
     if pa.kv_cache.device.type != "cuda" or not enabled():
         return None
     work = _steps_per_variant(pa, steps)
     if not work:
         return None
-    built = [0]
-    thread = threading.Thread(
-        target=_build, args=(pa, work, built), name="paged_ops-variant-prebuild", daemon=True
-    )
-    thread.start()
-    return thread, built
+    try:
+        with recording_variants() as records:
+            _call_each(pa, work)
+        if not records:
+            return None
+        return spawn(records, current_target())
+    except Exception as e:  # noqa: BLE001 - the steps compile what is missing, as without it
+        logger.debug("variant prebuild did not start: %r", e)
+        return None
+
+
+class _TargetOnlyDriver:
+    """The child's Triton driver: names the parent's GPU target and nothing else (no CUDA
+    context: compiling needs the target only; ``JITFunction.preload`` asks for a device)."""
+
+    def __init__(self, target: dict[str, Any]) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget(**target)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self):  # -> GPUTarget
+        return self.target
+
+
+def compile_records(records: list[dict[str, str]], target: dict[str, Any]) -> dict[str, Any]:
+    """Compile each record's variant (``JITFunction.preload``) for ``target`` into Triton's
+    on-disk cache, a variant at a time; returns ``{"built": n, "failed": [why, ...], "s": t}``."""
+    import importlib
+
+    from triton.runtime import driver
+
+    t0 = time.perf_counter()
+    driver.set_active(_TargetOnlyDriver(target))
+    built, failed = 0, []
+    for record in records:
+        try:
+            kernel = getattr(importlib.import_module(record["module"]), record["name"])
+            kernel.preload(record["data"])
+            built += 1
+        except Exception as e:  # noqa: BLE001 - reported; the parent compiles it if it must
+            failed.append(f"{record['module']}.{record['name']}: {e!r}")
+    return {"built": built, "failed": failed, "s": round(time.perf_counter() - t0, 3)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The child (``python -c CHILD WORKDIR``): compiles ``WORKDIR/jobs.json``'s records and
+    writes ``WORKDIR/result.json``."""
+    workdir = Path((sys.argv[1:] if argv is None else argv)[0])
+    jobs = json.loads((workdir / "jobs.json").read_text())
+    result = compile_records(jobs["records"], jobs["target"])
+    (workdir / "result.json").write_text(json.dumps(result))
+    return 0

@@ -1,0 +1,109 @@
+"""Run by ``tests/test_variant_prebuild.py`` in a fresh process (Triton compiling, not
+interpreting): the variant prebuild's whole path on a CPU, with a stand-in Triton driver that
+names an H100 (sm_90) and launches nothing.
+
+1. the backend's calls for each variant record Triton specializations and compile nothing;
+2. the child process compiles the records into an empty ``TRITON_CACHE_DIR``;
+3. the same calls, now compiling, find every variant in that cache: Triton's code generator never
+   runs (so the child's cache keys are the ones the JIT's own launches look up);
+4. control: with another empty cache dir, a call does run the code generator.
+
+Prints one JSON line: the counts the test checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="prebuild_probe_")
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import compiler as triton_compiler  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+from paged_ops.backends import triton as triton_backend  # noqa: E402
+from paged_ops.backends import triton_kernels  # noqa: E402
+from paged_ops.engine import variant_prebuild  # noqa: E402
+from paged_ops.engine.runner import warm_up_shapes  # noqa: E402
+from paged_ops.module import LayerConfig, PagedAttention  # noqa: E402
+
+
+class _Utils:
+    def get_device_properties(self, device):
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536,
+                "warpSize": 32}  # fmt: skip
+
+    def load_binary(self, name, kernel, shared, device):
+        return None, None, 128, 0, 1024  # module, function, registers, spills, max threads
+
+    def unload_module(self, module):
+        pass
+
+
+class StandInDriver:
+    """Compiles for sm_90; a launch does nothing (CPU tensors)."""
+
+    utils = _Utils()
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def launcher_cls(self, src, metadata):
+        return lambda *args, **kwargs: None
+
+
+def main() -> None:
+    driver.set_active(StandInDriver())
+    triton_backend._num_sms = lambda device: 132
+    triton_backend.is_available = lambda: True  # CPU tensors, compiled as on the GPU
+    triton_backend.unsupported_reason = lambda spec, device: None
+    codegen_runs = [0]
+    make_ir = triton_compiler.ASTSource.make_ir
+
+    def counted_make_ir(self, *args, **kwargs):
+        codegen_runs[0] += 1
+        return make_ir(self, *args, **kwargs)
+
+    triton_compiler.ASTSource.make_ir = counted_make_ir
+
+    layers = [LayerConfig(), LayerConfig(sliding_window=8)]  # two layer kinds
+    pa = PagedAttention(
+        num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, layers=layers, num_blocks=32,
+        block_size=16, max_model_len=256, max_num_seqs=4, max_num_tokens=64,
+        dtype=torch.float16, backend="triton", kv_cache_dtype=sys.argv[1] if len(sys.argv) > 1 else None,
+    )  # fmt: skip
+    steps = warm_up_shapes(4, 64, on_gpu=True)[:3] + [(1, 1), (4, 4)]
+    work = variant_prebuild._steps_per_variant(pa, steps)
+    with variant_prebuild.recording_variants() as records:
+        recorded_calls = variant_prebuild._call_each(pa, work)
+    out = dict(work=len(work), recorded_calls=recorded_calls, records=len(records),
+               kernels=sorted({r["name"] for r in records}), codegen_while_recording=codegen_runs[0])  # fmt: skip
+    out["built"] = variant_prebuild.spawn(records, variant_prebuild.current_target()).wait()
+    out["calls_after"] = variant_prebuild._call_each(pa, work)
+    out["codegen_after"] = codegen_runs[0] - out["codegen_while_recording"]
+    # control: an empty cache and no variant in memory: the code generator runs
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="prebuild_probe_control_")
+    for name in out["kernels"]:
+        getattr(triton_kernels, name).device_caches.clear()
+    before = codegen_runs[0]
+    variant_prebuild._call_each(pa, work[:1])
+    out["codegen_control"] = codegen_runs[0] - before
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
