@@ -172,22 +172,24 @@ class Prebuild:
 
     def wait(self, timeout_s: float = 300.0) -> int:
         """Wait for the child (killed after ``timeout_s``); returns the variants it compiled or
-        found in Triton's cache. Failures are logged (DEBUG) and count as not built."""
+        found in Triton's cache. Variants not built are logged (INFO) with the first reason."""
         try:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
             logger.debug("variant prebuild: the child took more than %.0f s; killed", timeout_s)
-        built = 0
+        built, why = 0, ""
         try:
             result = json.loads((self.workdir / "result.json").read_text())
-            built = int(result["built"])
-            for failure in result.get("failed", []):
-                logger.debug("variant prebuild: %s", failure)
+            built, failed = int(result["built"]), result.get("failed", [])
+            why = failed[0] if failed else ""
         except (OSError, ValueError, KeyError) as e:
-            err = (self.workdir / "stderr.txt").read_text(errors="replace")[-2000:]
-            logger.debug("variant prebuild: no result from the child (%r): %s", e, err)
+            err = (self.workdir / "stderr.txt").read_text(errors="replace")[-1500:]
+            why = f"no result from the child ({e!r}): {err}"
+        if built < self.num_variants:  # costs start-up time only: the steps compile the rest
+            logger.info("variant prebuild: %d of %d kernel variants built; %s",
+                        built, self.num_variants, why)  # fmt: skip
         shutil.rmtree(self.workdir, ignore_errors=True)
         return built
 
