@@ -269,3 +269,30 @@ def test_the_key_follows_the_model_classes_source(tmp_path, monkeypatch):
         precompile.inspect, "getsourcefile", lambda c: str(edited) if c is mlp else real(c)
     )
     assert precompile.artifact_key(model, {}) != key
+
+
+def test_a_directory_keeps_only_the_most_recently_used_saved_forwards(tmp_path, monkeypatch):
+    from paged_ops.engine import precompile
+
+    class Saved:  # stands in for an AOT-compiled forward: what save() serializes
+        @classmethod
+        def serialize(cls, fn, external_data):
+            return type("Data", (), {"serialized_data": b"forward"})()
+
+    paths = [tmp_path / f"key{i}.bin" for i in range(4)]
+    for i, path in enumerate(paths):
+        path.write_bytes(b"old")
+        os.utime(path, (1000 + i, 1000 + i))  # key0 oldest ... key3 newest
+    other = tmp_path / "notes.txt"
+    other.write_text("not a saved forward")
+    os.utime(paths[0], None)  # key0 just used (load() marks a file so): newest now
+    monkeypatch.setenv(precompile.KEEP_ENV, "3")
+    assert precompile.save(Saved(), tmp_path / "new.bin", owner=None) == len(b"forward")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["key0.bin", "key3.bin", "new.bin", "notes.txt"]  # the three most recent .bin
+    assert {p.name for p in precompile.prune(tmp_path, keep=1)} == {"key0.bin", "key3.bin"}
+    assert sorted(p.name for p in tmp_path.glob("*.bin")) == ["new.bin"]
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv(precompile.KEEP_ENV, bad)
+        with pytest.raises(ValueError, match="PAGED_OPS_PRECOMPILED_KEEP"):
+            precompile.kept()

@@ -67,6 +67,8 @@ logger = logging.getLogger("paged_ops")
 
 FORMAT = 1  # bump when what is saved changes
 RESTARTS = 3  # retraces compile_ahead allows when Dynamo asks to restart its analysis
+KEEP_ENV = "PAGED_OPS_PRECOMPILED_KEEP"  # saved forwards kept per directory (default KEEP)
+KEEP = 8  # ~5 MB each for a 1B model: a new key (model, settings, versions) is a new file
 
 
 class _AlwaysPasses:
@@ -291,7 +293,38 @@ def save(compiled: Callable, path: Path, owner: object) -> int:
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+    prune(path.parent)
     return len(data)
+
+
+def kept() -> int:
+    """How many saved forwards a directory keeps: ``PAGED_OPS_PRECOMPILED_KEEP`` or :data:`KEEP`."""
+    value = os.environ.get(KEEP_ENV, str(KEEP))
+    try:
+        keep = int(value)
+    except ValueError:
+        keep = -1
+    if keep < 1:
+        raise ValueError(f"{KEEP_ENV}={value!r}: expected an integer >= 1")
+    return keep
+
+
+def prune(directory: Path, keep: int | None = None) -> list[Path]:
+    """Delete all but the ``keep`` (default :func:`kept`) most recently used saved forwards
+    (``*.bin``; :func:`load` marks a file used) in ``directory``; returns the deleted paths.
+    Every other model or setting saves its own file, so without this the directory only grows."""
+    keep = kept() if keep is None else keep
+    files = []
+    for path in directory.glob("*.bin"):
+        with contextlib.suppress(OSError):  # (another process may prune at the same time)
+            files.append((path.stat().st_mtime, path))
+    files.sort(reverse=True)
+    deleted = []
+    for _, path in files[keep:]:
+        with contextlib.suppress(OSError):
+            path.unlink()
+            deleted.append(path)
+    return deleted
 
 
 def load(path: Path, owner: object, f_globals: dict[str, Any]) -> Callable:
@@ -301,6 +334,8 @@ def load(path: Path, owner: object, f_globals: dict[str, Any]) -> Callable:
     from torch._dynamo.aot_compile import AOTCompiledFunction
 
     data = path.read_bytes()
+    with contextlib.suppress(OSError):
+        os.utime(path)  # used: the last to be pruned
     with (
         in_process_kernels(),
         unittest.mock.patch.object(
