@@ -13,6 +13,12 @@ of a pure decode step. The top kernels of each class are printed (the JSON lists
 new kernel name that falls into "other" shows up.
 
     python benchmarks/profile_decode.py --batches 1,64,256 --graph-replays 20
+
+``--timeline`` also reads the profiled call's kernels as a timeline: how long the GPU sat idle
+between kernels (the union of kernel intervals against the call's span), the gaps by size, and
+the largest gaps with the kernels on either side (is the device waiting for the host, and where):
+
+    python benchmarks/profile_decode.py --batches 256 --new-tokens 256 --timeline
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ def op_class(name: str) -> str:
     return "other"
 
 
-def profile_batch(llm, cfg, b: int, prompt_len: int, new_tokens: int, replays: int = 0) -> dict:
+def profile_batch(llm, cfg, b: int, prompt_len: int, new_tokens: int, replays: int = 0,
+                  timeline: bool = False) -> dict:  # fmt: skip
     from torch.profiler import ProfilerActivity, profile
 
     from paged_ops import SamplingParams
@@ -73,12 +80,19 @@ def profile_batch(llm, cfg, b: int, prompt_len: int, new_tokens: int, replays: i
     print(f"\n--- b={b}: {steps} steps, {wall / steps * 1e3:.3f} ms/step wall "
           f"({row['tok_s']:,.0f} tok/s) ---")  # fmt: skip
     row |= kernel_table(prof, steps, cuda)
+    if timeline:
+        row["timeline"] = gap_table(prof, steps)
     runner = llm.runner
     if replays and runner.use_graphs and b <= runner.buckets[-1]:
         # decode steps alone: the batch's graph replayed on the last step's inputs (every
         # sequence at its final length), so prefill steps do not mix into the figures
         bucket = next(x for x in runner.buckets if x >= b)
         graph = runner._graphs[bucket][0]
+        md = runner.pa.metadata
+        if md is not None:  # what the replays read: the last step's metadata
+            lens = md.seq_lens.float()
+            print(f"  replayed metadata: {md.seq_lens.shape[0]} sequences, seq_lens min "
+                  f"{lens.min().item():.0f} mean {lens.mean().item():.1f} max {lens.max().item():.0f}")  # fmt: skip
         graph.replay()
         bg.sync()
         with profile(activities=[activity]) as prof:
@@ -115,6 +129,72 @@ def kernel_table(prof, steps: int, cuda: bool) -> dict:
                              for k, v in kernels.items()})  # fmt: skip
 
 
+GAP_BINS_US = (2, 10, 50, 200, 1000)  # gap size classes: < 2 us, 2-10, ..., >= 1000
+
+
+def kernel_intervals(prof) -> list[tuple[int, int, str]]:
+    """``(start_ns, end_ns, name)`` of every device kernel/memcpy/memset in ``prof``, by start."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0:
+            out.append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()))
+    return sorted(out)
+
+
+def gap_table(prof, steps: int, top: int = 12) -> dict:
+    """Idle time of the device between kernels over the profiled call (printed and returned):
+    busy = the union of kernel intervals, idle = span - busy, gaps binned by size, and the
+    ``top`` largest gaps with the kernel before and after each."""
+    spans = kernel_intervals(prof)
+    if not spans:
+        return {}
+    busy, gaps, end, last = 0, [], spans[0][0], spans[0][2]
+    for start, stop, name in spans:
+        if start > end:
+            gaps.append((start - end, last, name))
+        if stop > end:
+            busy += stop - max(start, end)
+            end, last = stop, name
+    span = end - spans[0][0]
+    bins = dict.fromkeys([f"<{GAP_BINS_US[0]}us"] + [f">={b}us" for b in GAP_BINS_US], (0, 0.0))
+    for ns, _, _ in gaps:
+        us = ns / 1e3
+        label = f"<{GAP_BINS_US[0]}us"
+        for b in GAP_BINS_US:
+            if us >= b:
+                label = f">={b}us"
+        n, total = bins[label]
+        bins[label] = (n + 1, total + us)
+    print(f"  timeline: span {span / 1e6:.2f} ms, kernels busy {busy / 1e6:.2f} ms, idle "
+          f"{(span - busy) / 1e6:.2f} ms ({100 * (span - busy) / span:.1f}%), "
+          f"{(span - busy) / 1e3 / steps:.1f} us idle per step")  # fmt: skip
+    for label, (n, total) in bins.items():
+        print(f"    gaps {label:>8s}: {n:7d}, {total / steps:8.1f} us per step")
+    deciles = {}  # per tenth of the span: calls and mean us per call of each class
+    for start, stop, name in spans:
+        cls = op_class(name)
+        tenth = min(9, (start - spans[0][0]) * 10 // max(span, 1))
+        n, total = deciles.setdefault(cls, [[0, 0.0] for _ in range(10)])[tenth]
+        deciles[cls][tenth] = [n + 1, total + (stop - start) / 1e3]
+    for cls in ("attention", "matmul", "inductor_fused"):
+        if cls in deciles:
+            cells = " ".join(f"{t / max(n, 1):6.1f}x{n:<5d}" for n, t in deciles[cls])
+            print(f"    {cls:15s} us per call x calls, by tenth of the span: {cells}")
+    largest = sorted(gaps, reverse=True)[:top]
+    for ns, before, after in largest:
+        print(f"    {ns / 1e3:9.1f} us after {before[:60]!r} before {after[:60]!r}")
+    return dict(span_ms=span / 1e6, busy_ms=busy / 1e6, idle_ms=(span - busy) / 1e6,
+                idle_us_per_step=(span - busy) / 1e3 / steps,
+                gap_bins={k: dict(count=n, us_per_step=round(t / steps, 2))
+                          for k, (n, t) in bins.items()},
+                largest=[dict(us=round(ns / 1e3, 1), before=b[:120], after=a[:120])
+                         for ns, b, a in largest],
+                by_tenth={cls: [dict(calls=n, us_per_call=round(t / max(n, 1), 2)) for n, t in cells]
+                          for cls, cells in deciles.items()})  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default="1,8")
@@ -127,6 +207,11 @@ def main() -> None:
     parser.add_argument("--graph-replays", type=int, default=0,
                         help="also profile this many replays of the batch's decode graph alone "
                              "(decode steps without the prefill steps)")  # fmt: skip
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="the device's idle time between kernels, gaps by size, the largest",
+    )
     parser.add_argument("--llm", default="", help='more LLM keywords, "compile_regions=True,..."')
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
     parser.add_argument("--out", default=None)
@@ -147,8 +232,8 @@ def main() -> None:
               num_blocks=2 * max(batches) * -(-args.max_model_len // 16) + 8,
               compile=on_cuda, cuda_graphs=on_cuda, **llm_kwargs)  # fmt: skip
     print(f"LLM ready in {time.perf_counter() - t0:.1f} s", flush=True)
-    rows = [profile_batch(llm, cfg, b, args.prompt_len, args.new_tokens, args.graph_replays)
-            for b in batches]  # fmt: skip
+    rows = [profile_batch(llm, cfg, b, args.prompt_len, args.new_tokens, args.graph_replays,
+                          args.timeline) for b in batches]  # fmt: skip
     result = dict(device=torch.cuda.get_device_name() if on_cuda else platform.processor(),
                   torch=torch.__version__, backend=args.backend, layers=args.layers,
                   prompt_len=args.prompt_len, new_tokens=args.new_tokens, llm_kwargs=llm_kwargs,
