@@ -205,3 +205,43 @@ def test_a_precompiled_forward_loads_in_a_new_process_with_the_same_tokens(tmp_p
     assert [(r["status"], r["traced"]) for r in runs] == [("saved", 1), ("loaded", 0)], runs
     assert runs[1]["tokens"] == runs[0]["tokens"]
     print(f"warm-up {runs[0]['warmup_s']:.1f} s, then {runs[1]['warmup_s']:.1f} s")
+
+
+PREBUILD_CHILD = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from triton.compiler import compiler
+from paged_ops import LLM
+from paged_ops.engine import runner
+from test_engine_gpu import small_llama
+
+calls, compiled = [0], []  # the warm-up's steps so far; (step, kernel) of each codegen here
+ATTENTION = {"paged_attention_kernel", "reduce_segments_kernel", "prefill_attention_kernel"}
+make_ir, call = compiler.ASTSource.make_ir, runner.ModelRunner._call
+
+def counted_make_ir(self, *args, **kwargs):
+    name = getattr(self.fn, "__name__", "")
+    if getattr(self.fn, "__module__", "").startswith("paged_ops.") and name in ATTENTION:
+        compiled.append((calls[0], name))
+    return make_ir(self, *args, **kwargs)
+
+def counted_call(self, *args, **kwargs):
+    calls[0] += 1
+    return call(self, *args, **kwargs)
+
+compiler.ASTSource.make_ir, runner.ModelRunner._call = counted_make_ir, counted_call
+llm = LLM(small_llama(torch.bfloat16), max_num_seqs=8, max_model_len=256, precompile=False)
+print(json.dumps(dict(prebuilt=llm.warmup_breakdown.get("prebuilt"), compiled=compiled,
+                      steps=calls[0])))
+"""
+
+
+def test_a_first_start_builds_the_attention_variants_in_a_child_process(tmp_path):
+    """First start, cold caches: the child process builds the triton attention variants, and
+    after the first (compiling) step no attention variant is compiled in the LLM's process: the
+    later warm-up steps find every one in Triton's cache (``engine/variant_prebuild.py``)."""
+    from engine_models import fresh_starts
+
+    (run,) = fresh_starts(PREBUILD_CHILD, tmp_path, starts=1)
+    assert run["prebuilt"] >= 1 and run["steps"] > 2, run
+    assert all(step <= 1 for step, _ in run["compiled"]), run  # only the first step's own

@@ -178,7 +178,9 @@ class Prebuild:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+            shutil.rmtree(self.workdir, ignore_errors=True)
             logger.debug("variant prebuild: the child took more than %.0f s; killed", timeout_s)
+            return 0
         built, why = 0, ""
         try:
             result = json.loads((self.workdir / "result.json").read_text())
@@ -203,7 +205,8 @@ def spawn(records: list[dict[str, str]], target: dict[str, Any]) -> Prebuild:
         process = subprocess.Popen(
             [sys.executable, "-c", CHILD, str(workdir)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-            env={**os.environ, "TRITON_INTERPRET": "0"},
+            env={**os.environ, "TRITON_INTERPRET": "0",  # imports as this process does:
+                 "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
         )  # fmt: skip
     return Prebuild(process, workdir, len(records))
 
