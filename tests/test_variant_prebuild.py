@@ -82,3 +82,15 @@ def test_the_child_compiles_the_variants_that_the_backend_then_finds_in_the_cach
     assert got["calls_after"] == got["work"]
     assert got["codegen_after"] == 0  # every launch found its variant in the child's cache
     assert got["codegen_control"] >= 1  # (without the child's cache the launch compiles)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_a_variant_the_child_cannot_build_is_reported_and_costs_nothing_else(caplog):
+    target = {"backend": "cuda", "arch": 90, "warp_size": 32}
+    bad = {"module": "paged_ops.backends.triton_kernels", "name": "no_such_kernel", "data": "{}"}
+    with caplog.at_level("INFO", logger="paged_ops"):
+        assert variant_prebuild.spawn([bad], target).wait() == 0
+    assert "0 of 1 kernel variants built" in caplog.text and "no_such_kernel" in caplog.text
+    slow = variant_prebuild.spawn([bad], target)
+    assert slow.wait(timeout_s=0.0) == 0 and slow.process.returncode is not None  # killed
+    assert not slow.workdir.exists()
