@@ -88,21 +88,36 @@ def profile_batch(llm, cfg, b: int, prompt_len: int, new_tokens: int, replays: i
         # sequence at its final length), so prefill steps do not mix into the figures
         bucket = next(x for x in runner.buckets if x >= b)
         graph = runner._graphs[bucket][0]
-        md = runner.pa.metadata
-        if md is not None:  # what the replays read: the last step's metadata
-            lens = md.seq_lens.float()
-            print(f"  replayed metadata: {md.seq_lens.shape[0]} sequences, seq_lens min "
-                  f"{lens.min().item():.0f} mean {lens.mean().item():.1f} max {lens.max().item():.0f}")  # fmt: skip
+        # The replays read the metadata buffers as the last prepare left them (after a run: not
+        # a full step; section 21 of NOTES.md): prepare one, every sequence at the run's final
+        # length with blocks of its own
+        blocks = full_decode_step(llm.pa, bucket, prompt_len + new_tokens)
         graph.replay()
         bg.sync()
         with profile(activities=[activity]) as prof:
             for _ in range(replays):
                 graph.replay()
             bg.sync()
-        print(f"  decode graph of bucket {bucket} alone, {replays} replays:")
+        print(f"  decode graph of bucket {bucket} alone, {replays} replays, "
+              f"{bucket} sequences at {prompt_len + new_tokens} tokens:")  # fmt: skip
         row["decode_graph"] = dict(bucket=bucket, replays=replays,
+                                   context=prompt_len + new_tokens,
                                    **kernel_table(prof, replays, cuda))  # fmt: skip
+        llm.pa.allocator.free(blocks)
     return row
+
+
+def full_decode_step(pa, num_seqs: int, length: int) -> list[int]:
+    """Prepare a decode step of ``num_seqs`` sequences, each at ``length`` tokens with blocks of
+    its own (allocated: free them after); returns the blocks."""
+    from paged_ops.metadata import SequenceSlice
+
+    per_seq = -(-length // pa.block_size)
+    blocks = pa.allocator.allocate(num_seqs * per_seq)
+    slices = [SequenceSlice(blocks[i * per_seq : (i + 1) * per_seq], length - 1, 1)
+              for i in range(num_seqs)]  # fmt: skip
+    pa.prepare_slices(slices, num_tokens=num_seqs, num_seqs=num_seqs)
+    return blocks
 
 
 def kernel_table(prof, steps: int, cuda: bool) -> dict:
