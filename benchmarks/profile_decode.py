@@ -84,13 +84,11 @@ def profile_batch(llm, cfg, b: int, prompt_len: int, new_tokens: int, replays: i
         row["timeline"] = gap_table(prof, steps)
     runner = llm.runner
     if replays and runner.use_graphs and b <= runner.buckets[-1]:
-        # decode steps alone: the batch's graph replayed on the last step's inputs (every
-        # sequence at its final length), so prefill steps do not mix into the figures
+        # decode steps alone (prefill steps do not mix into the figures): the batch's graph
+        # replayed on a prepared full step, every sequence at the run's final length with blocks
+        # of its own (the metadata a run leaves is not one: section 21 of NOTES.md)
         bucket = next(x for x in runner.buckets if x >= b)
         graph = runner._graphs[bucket][0]
-        # The replays read the metadata buffers as the last prepare left them (after a run: not
-        # a full step; section 21 of NOTES.md): prepare one, every sequence at the run's final
-        # length with blocks of its own
         blocks = full_decode_step(llm.pa, bucket, prompt_len + new_tokens)
         graph.replay()
         bg.sync()

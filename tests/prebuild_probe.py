@@ -22,7 +22,6 @@ os.environ.pop("TRITON_INTERPRET", None)
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="prebuild_probe_")
 
 import torch  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import compiler as triton_compiler  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
@@ -45,19 +44,13 @@ class _Utils:
         pass
 
 
-class StandInDriver:
-    """Compiles for sm_90; a launch does nothing (CPU tensors)."""
+class StandInDriver(variant_prebuild._TargetOnlyDriver):
+    """The child's driver for sm_90, plus launches that do nothing (CPU tensors)."""
 
     utils = _Utils()
 
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+    def __init__(self):
+        super().__init__({"backend": "cuda", "arch": 90, "warp_size": 32})
 
     def get_active_torch_device(self):
         return torch.device("cpu")
