@@ -105,11 +105,18 @@ def test_dispatch_rules():
 
 def test_default_configs_come_from_shapes():
     # the engine's batch-1 shapes of Llama-3.2-1B: the H100 sweep's winners (bn 64, dot; the deep
-    # down projection split in 4 with 128-wide K steps)
+    # down projection split in 4 with 128-wide K steps); one row of a projection: the FMA path
+    # with 8-row tiles and 1 KiB K steps (the chain measurement of NOTES.md section 22)
     for n, k in [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048)]:
         for m in (1, 4, 16):
             config = linear_config(m, n, k, torch.bfloat16, 132)
             config.check()
+            split = 4 if k == 8192 else 1
+            if m == 1 and n <= 32768:
+                assert (config.use_dot, config.block_n, config.block_k) == (False, 8, 512)
+                assert (config.split_k, config.num_stages) == (split, 3)
+                assert config.fma_regs(m) <= 128
+                continue
             assert (config.use_dot, config.block_n) == (True, 64)
             assert (config.split_k, config.block_k) == ((4, 128) if k == 8192 else (1, 256))
     assert linear_config(1, 96, 40, torch.float32, 132).block_k == 64  # capped by K's power of 2
@@ -186,3 +193,7 @@ def test_bad_config_is_refused():
         launch(x, w, config=LinearConfig(block_n=8, block_k=64, use_dot=True))
     with pytest.raises(ValueError, match="power of two"):
         launch(x, w, config=LinearConfig(block_n=24, block_k=64))
+    with pytest.raises(ValueError, match="prefetch_k"):  # a prefetch only runs under PDL
+        launch(x, w, config=LinearConfig(block_n=16, block_k=64, prefetch_k=512))
+    with pytest.raises(ValueError, match="prefetch_k"):
+        launch(x, w, config=LinearConfig(block_n=16, block_k=64, pdl=True, prefetch_k=96))

@@ -63,6 +63,10 @@ def test_other_dtypes(dtype):
         kernels.LinearConfig(block_n=8, block_k=256, split_k=2, use_dot=False),
         kernels.LinearConfig(block_n=64, block_k=128, num_stages=3),
         kernels.LinearConfig(block_n=16, block_k=512, num_warps=8, num_stages=2, use_dot=False),
+        # programmatic dependent launch, the weights asked of L2 before the wait; split-K's
+        # reduce then waits for the partials the same way
+        kernels.LinearConfig(block_n=8, block_k=512, use_dot=False, pdl=True, prefetch_k=2048),
+        kernels.LinearConfig(block_n=64, block_k=128, split_k=4, pdl=True, prefetch_k=512),
     ],
     ids=str,
 )
@@ -86,3 +90,40 @@ def test_cuda_graph_replay_and_compile():
     graph.replay()
     assert_close_to_reference(out, x, w, b)
     assert not torch.equal(out, expected)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
+    reason="programmatic dependent launch needs sm_90+",
+)
+def test_pdl_launches_wait_for_the_kernel_before_them_in_a_cuda_graph():
+    # x -> (eager scale) -> GEMV(pdl) -> GEMV(pdl, split-K) -> (eager add) -> GEMV(pdl): each
+    # GEMV may start while its predecessor runs and must still read that predecessor's output
+    n, k = SHAPES_1B["down"]
+    x, w_down, _ = make(2, n, k)  # x [2, 8192], w_down [2048, 8192]
+    _, w_up, _ = make(1, k, n, seed=2)  # [8192, 2048]
+    first = kernels.LinearConfig(block_n=8, block_k=512, use_dot=False, pdl=True, prefetch_k=2048)
+    split = kernels.LinearConfig(block_n=64, block_k=128, split_k=4, pdl=True, prefetch_k=512)
+
+    def chain(t):
+        h = kernels.small_linear(t * 0.5, w_down, None, config=first)  # [2, 2048]
+        u = kernels.small_linear(h, w_up, None, config=first)  # [2, 8192]
+        d = kernels.small_linear(u, w_down, None, config=split)  # [2, 2048]
+        return kernels.small_linear(d + h, w_up, None, config=first)  # [2, 8192]
+
+    def reference(t):
+        h = F.linear((t * 0.5).float(), w_down.float()).to(t.dtype)
+        u = F.linear(h.float(), w_up.float()).to(t.dtype)
+        d = F.linear(u.float(), w_down.float()).to(t.dtype)
+        return F.linear((d + h).float(), w_up.float())
+
+    chain(x)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x)
+    for seed in (1, 3):
+        x.copy_(make(2, n, k, seed=seed)[0])
+        graph.replay()
+        expected = reference(x)
+        err = (out.float() - expected).abs().max() / expected.abs().max()
+        assert err < 0.03, f"seed {seed}: relative error {err:.3g}"

@@ -8,14 +8,20 @@ At decode time a model's linear layers stream their weights once per step for a 
   deep; ``x`` is tiny and re-read from L2 by every program.
 - The product of a tile is a constexpr choice: ``USE_DOT`` runs ``tl.dot(W_tile, x_tile^T)`` with
   ``M`` padded to 16 (weights as the mma's M side, "swap AB"); otherwise a broadcast multiply
-  forms ``[BLOCK_N, BLOCK_M, BLOCK_K]`` float32 products and sums them over ``K`` into the
-  ``[BLOCK_N, BLOCK_M]`` accumulator (FMA, ``BLOCK_M = next_power_of_2(M)``). The K loop is a
+  adds ``[BLOCK_N, BLOCK_M, BLOCK_K]`` float32 products into an accumulator of that shape, summed
+  over ``K`` once after the loop (FMA, ``BLOCK_M = next_power_of_2(M)``; a sum per tile cost a
+  cross-thread reduction every iteration: 4-5% slower than cuBLAS at M=1 where the deferred sum
+  is 4-5% faster, benchmarks/NOTES.md section 22). The K loop is a
   ``tl.range(num_stages=...)`` loop, so Triton pipelines the loads (cp.async) on both paths (sm_90
   PTX of triton 3.6; without it the FMA path had no loads in flight across iterations).
 - ``SPLIT_K > 1`` gives each of ``SPLIT_K`` programs per column block a contiguous slice of ``K``;
   they write float32 partials ``[SPLIT_K, M, N]`` and a second kernel sums them in a fixed order
   (deterministic, no atomics), adds the bias and casts. It is for narrow, deep weights (down_proj:
   N=2048, K=8192) whose column blocks alone do not fill the GPU.
+- ``PDL`` (``LinearConfig.pdl``, sm_90+): launched with programmatic dependent launch, a program
+  asks L2 for its first weight lines, waits for the previous kernel (``griddepcontrol.wait``),
+  then lets the next kernel launch. Measured in a decode step's chain of kernels, it changed
+  nothing (benchmarks/NOTES.md section 22); it stays an explicit choice.
 
 Padded columns and rows are clamped to the last real one (loads stay in bounds without masks; their
 results are never stored), and ``K`` is masked only when it is not a multiple of the K step
@@ -33,6 +39,20 @@ import triton
 import triton.language as tl
 
 SMEM_BUDGET = 128 * 1024  # bytes of pipelined stage buffers the default configs stay under
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask):
+    """Ask L2 for the 128-byte line holding each of ``ptrs`` (where ``mask``); nothing waits for
+    it. GPU only (inline PTX): the launcher never sets PDL under the interpreter."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -58,6 +78,9 @@ def small_linear_kernel(
     EVEN_K: tl.constexpr,  # K % (BLOCK_K * SPLIT_K) == 0: no K masks
     IEEE: tl.constexpr,  # float32 inputs: exact products (tl.dot would round them to TF32)
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
+    PREFETCH_K: tl.constexpr = 0,  # PDL: K elements of each weight row asked of L2 before waiting
+    LINE: tl.constexpr = 64,  # weight elements per 128-byte line
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -67,6 +90,17 @@ def small_linear_kernel(
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
     rows_m = tl.minimum(offs_m, M - 1)
     k_start = pid_k * k_per_split
+    if PDL:
+        # The weights do not depend on the kernel before this one: ask L2 for the first
+        # PREFETCH_K of this program's rows while that kernel finishes, then wait for its output
+        # (x) to be visible, then let the next kernel launch (it waits for this one the same way).
+        if PREFETCH_K > 0:
+            pf_k = k_start + tl.arange(0, PREFETCH_K // LINE) * LINE  # [PREFETCH_K / LINE]
+            pf_ok = (pf_k < K) & (pf_k < k_start + k_per_split)
+            lines = w_ptr + rows_n[:, None] * stride_wn + pf_k[None, :] * stride_wk  # [BN, P]
+            _prefetch_l2(lines, pf_ok[None, :] & (offs_n[:, None] < N))
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_k = k_start + tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
     if USE_DOT:
@@ -74,7 +108,8 @@ def small_linear_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        # products summed over K only after the loop: no cross-thread reduction per tile
+        acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k in tl.range(0, k_per_split, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -89,10 +124,11 @@ def small_linear_kernel(
         if USE_DOT:
             acc = tl.dot(w, x, acc, input_precision="ieee") if IEEE else tl.dot(w, x, acc)
         else:
-            prod = w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]  # [BN, BM, BK]
-            acc += tl.sum(prod, axis=2)
+            acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]  # [BN, BM, BK]
         w_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K * stride_xk
+    if not USE_DOT:
+        acc = tl.sum(acc3, axis=2)  # [BLOCK_N, BLOCK_M]
     out_mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
     out_ptrs = out_ptr + offs_m[None, :] * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M] of [M, N]
     if SPLIT_K == 1:
@@ -113,7 +149,11 @@ def split_k_reduce_kernel(
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the partials are the GEMV's output
+        tl.extra.cuda.gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -138,6 +178,11 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 4
     use_dot: bool = True
+    # Programmatic dependent launch (sm_90+, CUDA only): the kernel may start while the one
+    # before it finishes; it asks L2 for the first ``prefetch_k`` elements of its weight rows,
+    # then waits for the earlier kernel's output before reading ``x``.
+    pdl: bool = False
+    prefetch_k: int = 0
 
     def block_m(self, m: int) -> int:
         return 16 if self.use_dot else triton.next_power_of_2(m)
@@ -158,6 +203,11 @@ class LinearConfig:
             )
         if self.num_stages < 1:
             raise ValueError(f"LinearConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.prefetch_k and (not self.pdl or self.prefetch_k & (self.prefetch_k - 1)):
+            raise ValueError(
+                f"LinearConfig.prefetch_k must be 0, or a power of two with pdl=True, "
+                f"got prefetch_k={self.prefetch_k}, pdl={self.pdl}"
+            )
 
 
 def linear_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> LinearConfig:
@@ -167,10 +217,17 @@ def linear_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> L
     dot path with 64-row weight tiles won every shape, even where that leaves most SMs without a
     column block (q/k/v: 48 blocks; each then streams a long run of K); 256 16-bit (128 float32)
     elements of K per step; a deep K (>= 8192, the down projection) split in 4 with 128-wide steps.
-    The FMA path (``use_dot=False``) stays available to explicit configs; it lost everywhere.
-    ``num_sms`` is kept for callers (and a future rule); the sweep found no use for it.
+    One row (``m == 1``) of a projection-sized weight (``n <= 32768``) takes the FMA path with
+    the sum deferred to after the loop: 8-row weight tiles, 1 KiB of each row per step, 3 stages
+    (H100, a 16-layer 1B chain in one CUDA graph, benchmarks/NOTES.md section 22: 957.8 us vs
+    cuBLAS 1,006.2 and the dot path's 1,017.0). At two or more rows it loses to the dot path.
+    ``num_sms`` is kept for callers (and a future rule); the sweeps found no use for it.
     """
     del num_sms
+    if m == 1 and n <= 32768:
+        block_k = min(1024 // dtype.itemsize, max(16, triton.next_power_of_2(k)))
+        split = 4 if k >= 8192 else 1
+        return LinearConfig(block_n=8, block_k=block_k, split_k=split, num_stages=3, use_dot=False)
     deep = k >= 8192
     block_k = min((256 if deep else 512) // dtype.itemsize, max(16, triton.next_power_of_2(k)))
     config = LinearConfig(block_n=64, block_k=block_k, split_k=4 if deep else 1, num_warps=4)
@@ -191,6 +248,11 @@ def num_sms_of(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _pdl_launch(pdl: bool) -> dict:
+    """Launch keywords: ``launch_pdl`` only when set (a plain launch passes nothing new)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def small_linear(
     x: torch.Tensor,  # [M, K], M <= 16
     weight: torch.Tensor,  # [N, K], any strides
@@ -207,6 +269,10 @@ def small_linear(
     if config is None:
         config = linear_config(m, n, k, x.dtype, num_sms_of(x.device))
     config.check()
+    if x.device.type != "cuda":  # the interpreter has no grid dependency control
+        config = replace(config, pdl=False, prefetch_k=0)
+    line = 128 // weight.element_size()
+    prefetch_k = max(config.prefetch_k, line) if config.prefetch_k else 0
     block_m = config.block_m(m)
     split = config.split_k
     step = config.block_k * split
@@ -220,13 +286,15 @@ def small_linear(
         m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), k_per_split,
         HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split, USE_DOT=config.use_dot, EVEN_K=k % step == 0,
-        IEEE=x.dtype == torch.float32, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        IEEE=x.dtype == torch.float32, NUM_STAGES=config.num_stages, PDL=config.pdl,
+        PREFETCH_K=prefetch_k, LINE=line, num_warps=config.num_warps,
+        num_stages=config.num_stages, **_pdl_launch(config.pdl),
     )  # fmt: skip
     if split > 1:
         block = 1024
         split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
             target, bias if has_bias else target, out, m * n, n,
-            HAS_BIAS=has_bias, SPLIT_K=split, BLOCK=block, num_warps=4,
+            HAS_BIAS=has_bias, SPLIT_K=split, BLOCK=block, PDL=config.pdl, num_warps=4,
+            **_pdl_launch(config.pdl),
         )  # fmt: skip
     return out
