@@ -8,6 +8,7 @@ registers ``attn_implementation="paged_ops"`` with transformers.
 
 from typing import Any
 
+from paged_ops.argmax import greedy_argmax
 from paged_ops.backends import LayerSpec, available_backends
 from paged_ops.cache import BlockAllocator, KVCache, OutOfBlocksError, blocks_needed
 from paged_ops.engine import (
@@ -47,6 +48,7 @@ __all__ = [
     "available_backends",
     "blocks_needed",
     "configure_compile_caches",
+    "greedy_argmax",
     "paged_attention",
     "small_linear",
     "write_kv",

@@ -147,6 +147,76 @@ def test_overlapped_steps_give_the_same_outputs_as_one_sync_per_step(models):
     assert outs[0] == (greedy[0], "length") and outs[4] == (greedy[4][:1], "length")
 
 
+def test_requests_admitted_in_steps_queued_ahead_give_the_same_outputs(models):
+    """12 requests on 6 seats: requests join as others stop, many in mixed steps queued ahead
+    (decode rows fed on the device beside newcomers' prompt chunks from the host). Every sampling
+    feature that depends on a row's history (seeded sampling's step, penalties, logprobs, samples
+    forked off, stop tokens), prefix caching, preemption and chunked prompts must give the same
+    outputs as one sync per step."""
+    prefix = prompts_of([9], seed=20)[0]
+    prompts = prompts_of([5, 12, 3, 9, 17, 2, 6, 4, 11, 7], seed=21)
+    prompts += [prefix + tail for tail in prompts_of([3, 6], seed=22)]
+    settings = [
+        dict(),
+        dict(),
+        dict(temperature=0.8, top_k=20, seed=11),
+        dict(repetition_penalty=1.5),
+        dict(temperature=0.9, seed=5, repetition_penalty=1.3, presence_penalty=0.5),
+        dict(logprobs=3),
+        dict(temperature=1.0, seed=7, n=2),
+        dict(temperature=1.2, seed=8, n=3, logprobs=2),
+        dict(),
+        dict(temperature=0.7, seed=13),
+        dict(temperature=1.1, seed=3, frequency_penalty=0.5),
+        dict(),
+    ]
+    # stop tokens at these positions of each request's first sample (from a run without them):
+    # seats free while steps are queued ahead, for waiting requests to take
+    stop_at = [3, None, 5, 2, None, 4, 6, None, 1, 7, None, 3]
+    free = make_llm(models, max_model_len=64, num_blocks=96, max_num_seqs=6, max_num_tokens=64,
+                    overlap=False).generate(
+        prompts, [SamplingParams(max_new_tokens=16, **s) for s in settings], use_tqdm=False
+    )  # fmt: skip
+    params = [
+        SamplingParams(max_new_tokens=16, **s, stop_token_ids=[out.token_ids[k]] if k else None)
+        for s, out, k in zip(settings, free, stop_at, strict=True)
+    ]
+    results = {}
+    # plenty of blocks; 20 blocks of 4 (preemption, re-admitted requests join ahead too); a
+    # budget of 20 tokens (a newcomer's prompt chunked in a mixed step)
+    for num_blocks, budget in ((96, 64), (20, 64), (96, 20)):
+        for overlap in (False, True):
+            llm = make_llm(models, max_model_len=64, num_blocks=num_blocks, max_num_seqs=6,
+                           max_num_tokens=budget, overlap=overlap)  # fmt: skip
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            m = llm.last_metrics
+            assert (m.num_mixed_ahead_steps >= 2) == overlap, (overlap, num_blocks, budget)
+            assert m.num_mixed_ahead_steps <= m.num_overlapped_steps < m.num_steps
+            assert (m.num_preemptions > 0) == (num_blocks == 20) and m.num_cached_tokens >= 8
+            assert llm.pa.allocator.num_free == num_blocks
+            assert llm.scheduler.num_prefill_chunks > 0 or budget == 64
+            results[overlap, num_blocks, budget] = [
+                [(o.token_ids, o.finish_reason, o.logprobs) for o in out.outputs] for out in outs
+            ]
+    first = results[False, 96, 64]
+    for key, got in results.items():
+        for want, have in zip(first, got, strict=True):
+            assert [(ids, why) for ids, why, _ in have] == [(ids, why) for ids, why, _ in want], key
+            for (_, _, lps), (_, _, ref) in zip(have, want, strict=True):
+                assert (lps is None) == (ref is None), key
+                for a, b in zip(lps or [], ref or [], strict=True):
+                    assert a.token_id == b.token_id and a.top[0][0] == b.top[0][0], key
+                    assert a.logprob == pytest.approx(b.logprob, abs=1e-4), key
+    for out, samples, k in zip(free, first, stop_at, strict=True):
+        assert all(why is not None for _, why, _ in samples)
+        ids = out.token_ids  # the run without stop tokens, cut at the stop token's first place
+        want = (ids[: ids.index(ids[k]) + 1], "stop") if k else (ids, "length")
+        assert samples[0][:2] == want
+    assert [len(samples) for samples in first] == [1] * 6 + [2, 3] + [1] * 4
+    for i in (0, 1, 11):  # greedy requests of the run without stop tokens: HF's tokens
+        assert free[i].token_ids == hf_greedy(models[0], prompts[i], 16)
+
+
 class LetterTokenizer:
     """Token i is chr(ord("A") + i % 26); enough of the HF tokenizer interface for the LLM."""
 

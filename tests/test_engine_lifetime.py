@@ -216,6 +216,31 @@ def test_a_step_that_raises_leaves_the_llm_ready_with_every_block_free(base, err
     assert tokens(llm) == want and all_free(llm)
 
 
+@pytest.mark.parametrize("error", [Fault, KeyboardInterrupt])
+def test_a_fault_in_a_mixed_step_queued_ahead_frees_the_requests_it_admitted(base, error):
+    # 16 tokens a step: the first step is two whole prompts (5 + 11), so the step queued ahead of
+    # it admits waiting requests beside the two decode rows (a mixed step)
+    opts = dict(OPTS, max_num_tokens=16)
+    want = tokens(LLM(copy.deepcopy(base), **opts, overlap=False))
+    llm = LLM(copy.deepcopy(base), **opts)
+    real, admitted = llm.runner.execute, []
+
+    def execute(batch, fed_from=None):
+        out = real(batch, fed_from)
+        if batch.is_mixed_ahead:
+            admitted.extend(batch.seqs[batch.num_fed :])
+            raise error("injected")
+        return out
+
+    llm.runner.execute = execute
+    with pytest.raises(error, match="injected"):
+        tokens(llm)
+    assert admitted and all(not s.block_ids and s.finish_reason is None for s in admitted)
+    assert all_free(llm)
+    del llm.runner.execute  # back to the real method
+    assert tokens(llm) == want and all_free(llm)
+
+
 def test_an_exception_in_the_callers_loop_over_a_stream_frees_its_blocks(base):
     llm = LLM(copy.deepcopy(base), **OPTS)
     want = [c.token_id for c in llm.stream(PROMPTS[1], PARAMS[1])]

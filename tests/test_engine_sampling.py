@@ -433,6 +433,9 @@ def test_sampler_functions_row_by_row():
     moved = copy.deepcopy(rows)
     moved.output_ids = [[3, 9], [5, 5, 6, 6], [7], ()]
     assert torch.equal(apply_penalties(logits, rows, pending), apply_penalties(logits, moved))
+    # a step ahead that admitted requests: only its first (fed) rows have a pending token
+    moved.output_ids = [[3, 9], [5, 5, 6], [7], ()]
+    assert torch.equal(apply_penalties(logits, rows, pending[:1]), apply_penalties(logits, moved))
     processed = processed_logits(logits, rows)
     assert torch.equal(processed[3], logits[3]) and torch.isinf(processed[1]).sum() == 8
     assert torch.allclose(processed[2].softmax(-1).sum(), torch.tensor(1.0))

@@ -6,12 +6,14 @@ tokens so far, so a request's output is known in advance whatever the batching d
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from paged_ops.cache import BlockAllocator
 from paged_ops.engine.params import SamplingParams
 from paged_ops.engine.sampler import SamplingBatch, counter_uniform, greedy_ids, sample
-from paged_ops.engine.scheduler import Scheduler, SeqStatus, Sequence
+from paged_ops.engine.scheduler import ScheduledBatch, Scheduler, SeqStatus, Sequence
 
 BLOCK = 4
 
@@ -45,26 +47,32 @@ def run(sched: Scheduler, seqs: list[Sequence]) -> int:
     return steps
 
 
-def run_overlapped(sched: Scheduler, seqs: list[Sequence]) -> tuple[int, int]:
+def run_overlapped(sched: Scheduler, seqs: list[Sequence]) -> tuple[int, int, int]:
     """Step like ``LLM(overlap=True)``: schedule the next step before this one's tokens are read.
 
-    Returns (steps, steps scheduled ahead).
+    Returns (steps, steps scheduled ahead, of those the mixed ones: requests admitted in them).
     """
     for s in seqs:
         sched.add(s)
-    steps = ahead_steps = 0
+    steps = ahead_steps = mixed_steps = 0
     launched = None  # (batch, its sampled tokens): the "device" result, read after the next launch
 
     def launch(batch, fed):
         assert batch.seqs, "no progress"
-        sampled = []
+        assert batch.num_tokens <= sched.max_num_tokens and len(batch.seqs) <= sched.max_num_seqs
+        sampled, ids = [], list(batch.input_ids)  # ids: the host's, rows after the fed ones
         for i, (s, sl) in enumerate(zip(batch.seqs, batch.slices, strict=True)):
             assert len(sl.block_ids) * BLOCK >= sl.context_len + sl.num_new_tokens
-            if batch.feed_rows is None:
-                sampled.append(next_token(s.tokens[: sl.context_len + sl.num_new_tokens]))
-            else:  # its input is the previous step's token for that row, not appended yet
+            if i < batch.num_fed:  # its input is the previous step's token, not appended yet
                 assert sl.context_len == len(s.tokens) and sl.num_new_tokens == 1
                 sampled.append(next_token([*s.tokens, fed[batch.feed_rows[i]]]))
+            else:
+                end = sl.context_len + sl.num_new_tokens
+                assert ids[: sl.num_new_tokens] == s.tokens[sl.context_len : end]
+                del ids[: sl.num_new_tokens]
+                sampled.append(next_token(s.tokens[:end]))
+        assert not ids
+        sampled += [sampled[row] for row, _ in batch.forks]  # the fake runner: the same token
         return batch, sampled
 
     while sched.has_work():
@@ -75,8 +83,9 @@ def run_overlapped(sched: Scheduler, seqs: list[Sequence]) -> tuple[int, int]:
         sched.postprocess(*launched)
         steps += 1
         ahead_steps += launched[0].feed_rows is not None
+        mixed_steps += launched[0].is_mixed_ahead
         launched = following
-    return steps, ahead_steps
+    return steps, ahead_steps, mixed_steps
 
 
 def make(prompts: list[list[int]], max_new: int) -> list[Sequence]:
@@ -118,7 +127,7 @@ def test_steps_scheduled_ahead_give_the_same_tokens_and_free_every_block():
             Sequence(i, len(t), list(t), SamplingParams(max_new_tokens=n), 0, frozenset(stops))
             for i, (t, n) in enumerate(zip(prompts, lengths, strict=True))
         ]
-        steps, ahead_steps = run_overlapped(sched, seqs)
+        steps, ahead_steps, _ = run_overlapped(sched, seqs)
         assert ahead_steps > steps // 3
         for seq, prompt, n in zip(seqs, prompts, lengths, strict=True):
             want = expected(prompt, n)
@@ -135,9 +144,14 @@ def test_schedule_ahead_declines_when_it_cannot_run_the_next_decode_step():
         (long,) = make([[1] * 11], 20)
         sched.add(long)
         batch = sched.schedule()  # 8 of 11 prompt tokens: no token comes out of this step
-        assert batch.num_new == [8] and sched.schedule_ahead(batch) is None
+        assert batch.num_new == [8]
+        # queued ahead: the prompt's last 3 tokens, ids from the host, nothing fed
+        rest = sched.schedule_ahead(batch)
+        assert rest is not None and rest.feed_rows == [] and rest.is_mixed_ahead
+        assert rest.num_new == [3] and rest.input_ids == [1, 1, 1]
+        assert rest.slices[0].context_len == 8 and rest.sample_steps == [0]
         sched.postprocess(batch, [0])
-        batch = sched.schedule()  # the prompt's last 3 tokens: the next step is a decode
+        batch = rest  # the next step is a decode
         ahead = sched.schedule_ahead(batch)
         assert ahead is not None and ahead.feed_rows == [0] and ahead.slices[0].context_len == 11
         assert ahead.sample_steps == [1] and ahead.input_ids == [] and ahead.num_tokens == 1
@@ -186,11 +200,17 @@ def test_schedule_ahead_with_requests_waiting_only_while_every_seat_stays_taken(
     assert sched.schedule_ahead(ahead) is None
 
 
-def test_schedule_ahead_with_requests_waiting_only_while_their_blocks_are_not_free():
+def probe_ahead(sched: Scheduler, running: ScheduledBatch) -> ScheduledBatch | None:
+    """``schedule_ahead(running)`` on copies of the scheduler and its sequences (it may admit)."""
+    sched, running = copy.deepcopy((sched, running))
+    return sched.schedule_ahead(running)
+
+
+def test_schedule_ahead_admits_waiting_requests_only_when_their_blocks_are_free():
     # 8 blocks of 4. ``a`` decodes on 3 blocks (12 prompt tokens); a request whose first chunk
     # needs more blocks than the 4 left beside a's next token cannot join a normal step either,
-    # so steps go on being queued ahead; one that fits (also thanks to the prefix cache: a's two
-    # full blocks, registered) or that fits once blocks free makes the next step a normal one.
+    # so decode steps go on being queued ahead without it; one that fits (also thanks to the
+    # prefix cache: a's two full blocks, registered) joins the step queued ahead (a mixed step).
     alloc = BlockAllocator(num_blocks=8, block_size=BLOCK)
     sched = Scheduler(alloc, max_num_seqs=4, max_num_tokens=32, max_model_len=64)
     prompt = list(range(1, 13))
@@ -203,17 +223,149 @@ def test_schedule_ahead_with_requests_waiting_only_while_their_blocks_are_not_fr
     sched.add(big)  # 20 tokens: 5 blocks
     ahead = sched.schedule_ahead(batch)
     assert ahead is not None and ahead.seqs == [a]  # big could not join a normal step either
+    assert not ahead.is_mixed_ahead and ahead.input_ids == []
     sched.postprocess(batch, [6])
     assert alloc.num_free == 4 and big.status is SeqStatus.WAITING
     sched.waiting.clear()
     sched.add(shared)  # 20 tokens, the first 8 in a's registered blocks: 3 new blocks
-    assert sched.schedule_ahead(ahead) is None
+    mixed = probe_ahead(sched, ahead)
+    assert [s.seq_id for s in mixed.seqs] == [0, 2] and mixed.num_new == [1, 12]
+    assert mixed.feed_rows == [0] and mixed.slices[1].context_len == 8
+    assert mixed.input_ids == [60] * 12 and mixed.num_tokens == 13
     sched.waiting.clear()
     sched.add(small)  # 5 tokens: 2 blocks
-    assert sched.schedule_ahead(ahead) is None
+    mixed = probe_ahead(sched, ahead)
+    assert [s.seq_id for s in mixed.seqs] == [0, 3] and mixed.input_ids == [70] * 5
     sched.prefix_caching = False
     sched.waiting.appendleft(shared)  # without the prefix cache it needs 5 blocks again
-    assert sched.schedule_ahead(ahead) is not None
+    nxt = sched.schedule_ahead(ahead)  # and small waits behind it, as in ``schedule``
+    assert nxt is not None and nxt.seqs == [a] and not nxt.is_mixed_ahead
+    assert alloc.num_free == 4 and list(sched.waiting) == [shared, small]
+
+
+def test_a_mixed_step_ahead_admits_what_the_normal_step_after_would():
+    """With requests that can join, ``schedule_ahead`` returns the decode rows fed from the device
+    followed by exactly what ``schedule`` admits once the running step is postprocessed: the same
+    sequences, chunks, slices, blocks, prefix hits (on blocks the running step fills too) and
+    counters; postprocessed in order, the two give the same sequences."""
+    alloc = BlockAllocator(num_blocks=32, block_size=BLOCK)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_tokens=16, max_model_len=64)
+    prefix = list(range(1, 9))  # b's prompt: two full blocks
+    a, b, c, d, e = make([[1] * 6, prefix, prefix + [70] * 5, [80] * 20, [90] * 3], 20)
+    sched.add(a)
+    sched.add(b)
+    running = sched.schedule()  # both prompts whole
+    assert running.num_new == [6, 8]
+    for seq in (c, d, e):
+        sched.add(seq)
+    ref, ref_running = copy.deepcopy((sched, running))
+    ref.postprocess(ref_running, [5, 6])
+    normal = ref.schedule()
+    mixed = sched.schedule_ahead(running)
+    # c: 5 tokens after b's two blocks (from the cache); d: a chunk of 9 of 20; e: no seat
+    assert [s.seq_id for s in normal.seqs] == [0, 1, 2, 3] and normal.num_new == [1, 1, 5, 9]
+    assert mixed.feed_rows == [0, 1] and mixed.num_fed == 2 and mixed.is_mixed_ahead
+    assert [s.seq_id for s in mixed.seqs] == [0, 1, 2, 3] and mixed.num_new == normal.num_new
+    assert mixed.slices == normal.slices and mixed.slices[2].context_len == 8
+    assert mixed.input_ids == normal.input_ids[2:]  # the fed rows' ids are not on the host
+    assert mixed.sample_steps == normal.sample_steps == [1, 1, 0, 0]
+    assert mixed.forks == normal.forks == [] and not mixed.is_decode
+    assert c.num_cached_tokens == 8 and sched.num_cached_blocks == ref.num_cached_blocks == 2
+    assert sched.num_prefill_chunks == ref.num_prefill_chunks == 1
+    assert alloc.num_free == ref.allocator.num_free
+    assert [s.seq_id for s in sched.running] == [s.seq_id for s in ref.running]
+    assert [s.seq_id for s in sched.waiting] == [s.seq_id for s in ref.waiting] == [4]
+    sched.postprocess(running, [5, 6])
+    for mine, theirs in ((mixed, [7, 8, 9, 0]), (normal, [7, 8, 9, 0])):
+        assert [s.seq_id for s in sched.postprocess(mine, theirs)] == [0, 1, 2]  # d: mid-prompt
+        sched, alloc = ref, ref.allocator
+    got = [(s.tokens, s.num_computed, s.block_ids, s.block_hashes) for s in (a, b, c, d)]
+    assert got == [(s.tokens, s.num_computed, s.block_ids, s.block_hashes) for s in ref.running]
+    assert c.output_ids == [9] and d.num_computed == 9 and d.output_ids == []
+
+
+def test_a_request_admitted_ahead_outlives_a_stop_in_the_running_step():
+    """Steps in the loop's order (schedule ahead of a step, then postprocess it): a stop token
+    frees a seat, the next step ahead admits a waiting request into it; a stop in the step that
+    runs meanwhile only skips that sequence's fed row, the newcomer goes on (neither lost nor
+    admitted twice), and an abort frees the blocks of one admitted in a step never read."""
+    alloc = BlockAllocator(num_blocks=32, block_size=BLOCK)
+    sched = Scheduler(alloc, max_num_seqs=2, max_num_tokens=16, max_model_len=64)
+    a, b, c, d = make([[1] * 5, [2] * 3, [3] * 6, [4] * 7], 8)
+    a.stop_ids, b.stop_ids = frozenset({9}), frozenset({5})
+    for seq in (a, b, c, d):
+        sched.add(seq)
+    first = sched.schedule()  # a and b take both seats
+    second = sched.schedule_ahead(first)
+    assert second.seqs == [a, b] and not second.is_mixed_ahead  # no seat for c
+    sched.postprocess(first, [9, 4])  # a stops: its row in ``second`` is wasted, its seat free
+    third = sched.schedule_ahead(second)
+    assert third.seqs == [b, c] and third.feed_rows == [1] and third.num_new == [1, 6]
+    assert third.input_ids == [3] * 6 and third.sample_steps == [2, 0]
+    sched.postprocess(second, [7, 5])  # b stops too, with ``third`` already queued
+    assert a.output_ids == [9] and b.output_ids == [4, 5] and b.status is SeqStatus.FINISHED
+    assert c.status is SeqStatus.RUNNING and sched.running == [c] and list(sched.waiting) == [d]
+    fourth = sched.schedule_ahead(third)  # b's seat goes to d
+    assert fourth.seqs == [c, d] and fourth.feed_rows == [1] and fourth.num_new == [1, 7]
+    sched.postprocess(third, [6, 8])  # b's row skipped; c samples its first token
+    assert b.output_ids == [4, 5] and c.output_ids == [8] and c.num_computed == 6
+    assert sched.running == [c, d] and not sched.waiting and d.block_ids
+    sched.abort_all()  # ``fourth`` is never read
+    assert alloc.num_free == 32 and not d.block_ids and not sched.has_work()
+
+
+def test_schedule_ahead_leaves_admissions_to_the_normal_step_when_it_must():
+    """Requests that could join do not join ahead while a sequence of the running step finishes
+    on length (its seat frees: the normal step fills it) or samples fork off in it (their first
+    steps come first, as in ``schedule``); with nobody waiting, decode steps go on ahead."""
+    for case in ("length", "fork"):
+        alloc = BlockAllocator(num_blocks=32, block_size=BLOCK)
+        sched = Scheduler(alloc, max_num_seqs=4, max_num_tokens=16, max_model_len=64)
+        a, b, waiting = make([[1] * 5, [2] * 3, [3] * 4], 6)
+        if case == "length":
+            a.params = SamplingParams(max_new_tokens=1)
+        else:
+            b.children = [Sequence(9, 3, [2] * 3, b.params, 1, frozenset())]
+        sched.add(a)
+        sched.add(b)
+        running = sched.schedule()
+        assert running.seqs == [a, b] and bool(running.forks) == (case == "fork")
+        ahead = probe_ahead(sched, running)
+        assert ahead is not None and not ahead.is_mixed_ahead, case
+        sched.add(waiting)
+        assert sched.schedule_ahead(running) is None, case
+        assert list(sched.waiting) == [waiting] and alloc.num_free == 32 - 3
+
+
+def test_requests_admitted_in_steps_ahead_get_the_same_tokens_and_free_every_block():
+    # 12 requests, 4 seats and 12 tokens a step: requests keep joining while others decode,
+    # in mixed steps queued ahead; some stop on a stop token, some share a prompt prefix
+    prefix = [7, 7, 8, 8, 9, 9, 1, 2]
+    prompts = [[i + 1] * n for i, n in enumerate((9, 14, 5, 11, 7, 2))]
+    prompts += [prefix + [40 + i] * i for i in range(1, 7)]
+    stops = {expected(p, 12)[k] for p, k in zip(prompts, (2, 5, 11, 3, 1), strict=False)}
+    lengths = (12, 3, 7, 12, 1, 9, 4, 8, 2, 12, 6, 5)
+    for num_blocks in (64, 18):  # 18: preemption too
+        results = []
+        for overlapped in (False, True):
+            alloc = BlockAllocator(num_blocks=num_blocks, block_size=BLOCK)
+            sched = Scheduler(alloc, max_num_seqs=4, max_num_tokens=12, max_model_len=64)
+            seqs = [
+                Sequence(i, len(t), list(t), SamplingParams(max_new_tokens=n), 0, frozenset(stops))
+                for i, (t, n) in enumerate(zip(prompts, lengths, strict=True))
+            ]
+            if overlapped:
+                steps, ahead_steps, mixed_steps = run_overlapped(sched, seqs)
+                assert mixed_steps >= 2 and ahead_steps > steps // 3, (steps, ahead_steps)
+            else:
+                run(sched, seqs)
+            assert alloc.num_free == num_blocks
+            results.append([(s.output_ids, s.finish_reason) for s in seqs])
+            for seq, prompt, n in zip(seqs, prompts, lengths, strict=True):
+                want = expected(prompt, n)
+                cut = next((k + 1 for k, t in enumerate(want) if t in stops), n)
+                assert seq.output_ids == want[:cut], (num_blocks, overlapped, seq.seq_id)
+        assert results[0] == results[1]
 
 
 def test_schedule_ahead_leaves_out_sequences_that_finish_on_length():

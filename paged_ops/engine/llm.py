@@ -256,8 +256,9 @@ class LLM:
         max_num_tokens: token budget of one step (chunked prefill); default
             ``max(2048, max_num_seqs)``. Applies when the LLM patches the model itself.
         overlap: queue the next decode step on the device before reading this step's sampled
-            ids, so that the host's work per step (scheduling, metadata, sampling setup, output
-            handling) runs while the device computes. The tokens are the same either way.
+            ids (with waiting requests that can join it admitted beside the decodes), so that the
+            host's work per step (scheduling, metadata, sampling setup, output handling) runs
+            while the device computes. The tokens are the same either way.
         fuse_projections: with ``compile``, run sibling projections that read the same input
             (q/k/v, gate/up) as one matmul: their weights are re-laid out back to back in one
             buffer (same values and memory; the modules' weights become views into it) and the
@@ -693,6 +694,7 @@ class LLM:
                 metrics.num_steps += 1
                 metrics.num_decode_steps += done.is_decode
                 metrics.num_overlapped_steps += done.feed_rows is not None
+                metrics.num_mixed_ahead_steps += done.is_mixed_ahead
                 if done.is_verify:
                     assert spec is not None
                     sampled, accepted = spec.resolve(done, tokens)

@@ -284,7 +284,8 @@ class GenerationMetrics:
 
     ``tokens_per_s`` counts generated tokens over the wall time of the call (prefill included).
     ``num_overlapped_steps`` counts the steps queued before the previous step's ids were read (see
-    ``LLM(overlap=True)``).
+    ``LLM(overlap=True)``); ``num_mixed_ahead_steps`` those of them that also admitted waiting
+    requests (their prompt chunks beside the decode rows fed on the device).
     """
 
     num_requests: int = 0
@@ -295,6 +296,7 @@ class GenerationMetrics:
     num_steps: int = 0
     num_decode_steps: int = 0
     num_overlapped_steps: int = 0
+    num_mixed_ahead_steps: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     # speculative decoding (LLM(speculative=...)): sequence-steps that verified drafts, drafts

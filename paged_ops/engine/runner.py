@@ -19,7 +19,11 @@ greedy choice (a two-pass argmax, :func:`~paged_ops.engine.sampler.greedy_ids`) 
 the compiled forward and the graphs instead of in separate launches per step.
 
 Input ids come from the host (``batch.input_ids``) or, for a step scheduled ahead, from the previous
-step's sampled ids on the device (``batch.feed_rows``): a device copy, no host round trip.
+step's sampled ids on the device (``batch.feed_rows``): a device copy, no host round trip. A mixed
+step scheduled ahead has both: its first ``batch.num_fed`` rows (one token each) are fed on the
+device, the tokens after them (requests admitted in that step) come from the host. Its newcomers'
+prompt chunks make it a prefill step for the eager/compiled path; only when each of them has a
+single token is it a decode step, which a graph replays with the same inputs.
 """
 
 from __future__ import annotations
@@ -367,17 +371,20 @@ class ModelRunner:
         with _no_duck_shapes():
             return self._forward(*args)
 
-    def _load_ids(self, ids: list[int], num_tokens: int) -> None:
+    def _load_ids(self, ids: list[int], num_tokens: int, start: int = 0) -> None:
+        """Host ``ids`` into ``input_ids[start:]``, zeros after them up to ``num_tokens``."""
         if self._host_ids_copied is not None:
             self._host_ids_copied.synchronize()  # the last copy out of the pinned buffer is done
-        n = len(ids)
-        self._host_ids[:n] = torch.tensor(ids, dtype=torch.int64)
-        self._host_ids[n:num_tokens] = 0
-        self.input_ids[:num_tokens].copy_(self._host_ids[:num_tokens], non_blocking=True)
+        end = start + len(ids)
+        self._host_ids[start:end] = torch.tensor(ids, dtype=torch.int64)
+        self._host_ids[end:num_tokens] = 0
+        self.input_ids[start:num_tokens].copy_(self._host_ids[start:num_tokens], non_blocking=True)
         if self._host_ids_copied is not None:
             self._host_ids_copied.record()
 
     def _feed_ids(self, sampled: torch.Tensor, rows: list[int], num_tokens: int) -> None:
+        """``input_ids[i] = sampled[rows[i]]`` on the device, zeros after them up to
+        ``num_tokens``."""
         # sampled: [S_prev] int64 on the device (the previous step's ids, maybe not computed yet:
         # the copy is queued after it on the same stream)
         k = len(rows)
@@ -395,8 +402,14 @@ class ModelRunner:
         self.pa.prepare_slices(batch.slices, num_tokens=num_tokens, num_seqs=num_seqs)
         if batch.feed_rows is None:
             self._load_ids(batch.input_ids, num_tokens)
-        elif fed_from is None:
+            return
+        if fed_from is None:
             raise ValueError("a step scheduled ahead needs the previous step's sampled ids")
+        # the F fed rows (one token each) first; then a mixed step's host ids, then padding
+        fed = len(batch.feed_rows)
+        if batch.input_ids:
+            self._feed_ids(fed_from, batch.feed_rows, fed)
+            self._load_ids(batch.input_ids, num_tokens, start=fed)
         else:
             self._feed_ids(fed_from, batch.feed_rows, num_tokens)
 
@@ -409,7 +422,8 @@ class ModelRunner:
         Args:
             batch: the step.
             fed_from: ``[S_prev]`` int64 device ids sampled by the previous step; needed when the
-                step was scheduled ahead (``batch.feed_rows`` set).
+                step was scheduled ahead (``batch.feed_rows`` set: its first ``len(feed_rows)``
+                rows are fed from it, the rows after them from ``batch.input_ids``).
         Returns:
             logits of each sequence's last new token ``[S, V]`` and their argmax ``[S]`` int64.
         """

@@ -29,7 +29,11 @@ Overlapped decode (:meth:`Scheduler.schedule_ahead`): while a step runs on the d
 decode step of the same sequences can be scheduled before the step's sampled tokens are known. Its
 input ids are those sampled tokens, fed on the device; each sequence is one token "pending" until
 the running step is postprocessed. A sequence that then stops on a stop token had one wasted row in
-the step ahead, which :meth:`Scheduler.postprocess` skips.
+the step ahead, which :meth:`Scheduler.postprocess` skips. When waiting requests could join, the
+step ahead is a mixed one: the fed decode rows first, then the requests admitted as the normal step
+after would admit them (their prompt chunks' ids are known on the host), so that the steps that
+start requests in a busy run are overlapped too. Seats that a stop token frees in the running step
+are not known yet: the next normal step fills them.
 """
 
 from __future__ import annotations
@@ -100,9 +104,14 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new: list[int]
     slices: list[SequenceSlice]
-    input_ids: list[int]  # [T] the new tokens, sequence-major (empty when fed from the device)
-    # Scheduled ahead: row i's input id is row feed_rows[i] of the previous step's sampled ids,
-    # which are still on the device (every sequence then has one token not yet appended).
+    # [T - F] the new tokens of the rows not fed from the device (all rows but the first F =
+    # num_fed), sequence-major: every new token of a normal step, none of a decode step ahead,
+    # the admitted requests' prompt chunks of a mixed step ahead
+    input_ids: list[int]
+    # Scheduled ahead: row i < F = len(feed_rows) is a decode row whose input id is row
+    # feed_rows[i] of the previous step's sampled ids, still on the device (its sequence has that
+    # one token not yet appended). The rows after them, if any, are requests admitted in this
+    # step (a mixed step), whose ids are known on the host (input_ids).
     feed_rows: list[int] | None = None
     # Speculative decoding: row i verifies num_draft[i] draft tokens (its new tokens are its last
     # known token followed by the drafts, which the speculator writes into ``input_ids``); the
@@ -135,16 +144,28 @@ class ScheduledBatch:
         return all(n == 1 for n in self.num_new)
 
     @property
+    def num_fed(self) -> int:
+        """Leading rows whose input id comes from the previous step's sampled ids (F)."""
+        return 0 if self.feed_rows is None else len(self.feed_rows)
+
+    @property
+    def is_mixed_ahead(self) -> bool:
+        """Scheduled ahead with requests admitted in it (rows not fed from the device)."""
+        return self.feed_rows is not None and len(self.feed_rows) < len(self.seqs)
+
+    @property
     def num_tokens(self) -> int:
         return sum(self.num_new)
 
     @property
     def sample_steps(self) -> list[int]:
         """Index among its generated tokens of the token each logits row samples in this step
-        (one row per sequence, ``k + 1`` for a sequence verifying ``k`` drafts)."""
-        pending = self.feed_rows is not None
-        if self.num_draft is None:
-            return [s.num_generated + pending for s in self.seqs]
+        (one row per sequence, ``k + 1`` for a sequence verifying ``k`` drafts). A fed row's
+        sequence has one generated token more than it holds yet (the pending one); a row admitted
+        in a step ahead has none pending."""
+        if self.num_draft is None:  # (a verify step is never scheduled ahead)
+            fed = self.num_fed
+            return [s.num_generated + (i < fed) for i, s in enumerate(self.seqs)]
         return [
             s.num_generated + j
             for s, k in zip(self.seqs, self.num_draft, strict=True)
@@ -246,8 +267,26 @@ class Scheduler:
             budget -= n
             i += 1
         # Newcomers join only when nobody had to be preempted (else they would evict each other).
+        if not preempted:
+            picked += self._admit(budget)
+        slices, input_ids, forks = self._host_rows(picked, drafts)
+        return ScheduledBatch(
+            seqs=[s for s, _ in picked],
+            num_new=[n for _, n in picked],
+            slices=slices,
+            input_ids=input_ids,
+            forks=forks,
+            num_draft=[drafts.get(j, 0) for j in range(len(picked))] if drafts else None,
+        )
+
+    def _admit(self, budget: int) -> list[tuple[Sequence, int]]:
+        """Let waiting requests join, in arrival order, while seats, ``budget`` tokens and free
+        blocks last (never preempting): each takes its cached prefix (prefix caching) and the
+        blocks of its first prompt chunk, and becomes running. Returns (sequence, chunk tokens)
+        of each; used by :meth:`schedule` and by a mixed step of :meth:`schedule_ahead`."""
+        joined: list[tuple[Sequence, int]] = []
         seats = self._seats_taken() if self.waiting else 0
-        while not preempted and self.waiting and budget > 0:
+        while self.waiting and budget > 0:
             if seats + self.waiting[0].num_seats > self.max_num_seqs:
                 break
             seq = self.waiting[0]
@@ -265,25 +304,27 @@ class Scheduler:
             seats += seq.num_seats
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
-            picked.append((seq, n))
+            joined.append((seq, n))
             budget -= n
+        return joined
+
+    def _host_rows(
+        self, picked: list[tuple[Sequence, int]], drafts: dict[int, int], first_row: int = 0
+    ) -> tuple[list[SequenceSlice], list[int], list[tuple[int, Sequence]]]:
+        """Slices, packed input ids and forks of rows whose new tokens the host knows: ``picked``
+        (sequence, new tokens) are the step's rows ``first_row``, ``first_row + 1``, ...; ``drafts``
+        maps an index in ``picked`` to the drafts that row verifies (their ids are written later
+        by the speculator). Counts the prompt chunks that stop short of the prompt's end."""
         slices, input_ids, forks = [], [], []
-        for row, (seq, n) in enumerate(picked):
-            k = drafts.get(row, 0)
+        for j, (seq, n) in enumerate(picked):
+            k = drafts.get(j, 0)
             self.num_prefill_chunks += seq.num_computed + n - k < len(seq.tokens)
             slices.append(SequenceSlice(seq.block_ids, seq.num_computed, n))
             input_ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n - k])
             input_ids.extend([0] * k)  # the drafts, written by the speculator
             if seq.children and seq.num_computed + n == len(seq.tokens):
-                forks += [(row, child) for child in seq.children]
-        return ScheduledBatch(
-            seqs=[s for s, _ in picked],
-            num_new=[n for _, n in picked],
-            slices=slices,
-            input_ids=input_ids,
-            forks=forks,
-            num_draft=[drafts.get(j, 0) for j in range(len(picked))] if drafts else None,
-        )
+                forks += [(first_row + j, child) for child in seq.children]
+        return slices, input_ids, forks
 
     def _draft_room(self, seq: Sequence, n: int, budget: int) -> int:
         """Draft rows ``seq`` verifies in this step: what it asked for (``seq.num_draft``), if it
@@ -301,20 +342,28 @@ class Scheduler:
         return k if self.allocator.can_allocate(more) else 0
 
     def schedule_ahead(self, running: ScheduledBatch) -> ScheduledBatch | None:
-        """Schedule the decode step that follows ``running`` before its sampled tokens are known.
+        """Schedule the step that follows ``running`` before its sampled tokens are known.
 
         Every sequence of ``running`` that will get a token from it and can go on adds that token
         (fed from the device, see ``ScheduledBatch.feed_rows``); ``running``'s sequences that
-        finish on length are left out, they need no further step. Returns ``None`` (schedule
-        normally after ``running`` is postprocessed) when
+        finish on length are left out, they need no further step. A sequence that ``running``
+        left mid-prompt continues with its next chunk (the budget the fed rows leave; its ids
+        are the prompt's, known on the host). When the first waiting request could join (a seat
+        and the blocks of its first prompt chunk are free beside the new tokens' blocks, as
+        ``schedule`` would find them after ``running``), waiting requests join behind those rows
+        as that ``schedule`` would admit them (:meth:`_admit`: the token budget left, seats, free
+        blocks, the prefix cache with the blocks ``running`` fills): a mixed step, whose rows
+        after the fed ones take their ids from the host. Seats that ``running``'s stop
+        tokens free are not known yet: the next normal step fills them. A request that could not
+        join (every seat taken, or too few free blocks, as under KV pressure) does not stop steps
+        from being queued ahead: it joins in the first normal step after blocks free up. Returns
+        ``None`` (schedule normally after ``running`` is postprocessed) when
 
-        - a running sequence is not in ``running`` (the step's token budget ran out before it:
-          only a normal step gives it its turn), or one of ``running`` is mid-prompt;
-        - the first waiting request could join now: a seat and the blocks of its first prompt
-          chunk are free beside the new tokens' blocks (as ``schedule`` would find them), or a
-          seat frees as a sequence finishes on length. A request that could not join anyway
-          (every seat taken, or too few free blocks, as under KV pressure) does not stop steps
-          from being queued ahead: it joins in the first normal step after blocks free up;
+        - a running sequence is not in ``running``, or a prompt left mid-way gets no budget (the
+          step's token budget ran out before it: only a normal step gives it its turn);
+        - a request waits while a seat frees as a sequence of ``running`` finishes on length (the
+          normal step gives it that seat), or a request could join while ``running`` forks
+          samples off (their first steps come before newcomers, as in ``schedule``);
         - the new tokens' blocks are not free without preempting (this never preempts).
         """
         if running.is_verify:
@@ -323,6 +372,7 @@ class Scheduler:
             return None
         rows: list[int] = []
         starts: list[int] = []  # position of each row's new token
+        chunked: list[tuple[Sequence, int]] = []  # mid-prompt sequences: (seq, next position)
         for i, (seq, n) in enumerate(zip(running.seqs, running.num_new, strict=True)):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # finished on a stop token in the step before ``running``
@@ -330,35 +380,71 @@ class Scheduler:
             # token but the one ``running`` samples, which goes at position ``pending``.
             pending = seq.num_computed + n
             if pending != len(seq.tokens):
-                return None  # a prompt chunk that does not reach the end of the prompt
+                chunked.append((seq, pending))  # a prompt chunk short of the prompt's end
+                continue
             if self._reaches_length(seq, pending + 1):  # with ``running``'s sample appended
                 if self.waiting:
                     return None  # its seat frees: let a waiting request take it in a normal step
                 continue  # finishes on length with ``running``'s token
             rows.append(i)
             starts.append(pending)
-        if not rows:
+        if not rows and not chunked:
             return None
         seqs = [running.seqs[i] for i in rows]
         needs = [
             blocks_needed(p + 1, self.block_size) - len(s.block_ids)
             for s, p in zip(seqs, starts, strict=True)
         ]
-        if not self.allocator.can_allocate(sum(needs)):
+        budget = self.max_num_tokens - len(rows)
+        # The next chunk of each prompt ``running`` left mid-way (its ids are the prompt's, known
+        # here), with the budget the decode rows leave, in ``running``'s order.
+        continued: list[tuple[Sequence, int, int]] = []  # (seq, first position, tokens)
+        for seq, p in chunked:
+            if budget <= 0:
+                return None  # it gets no turn: only a normal step gives it one
+            n = min(len(seq.tokens) - p, budget)
+            continued.append((seq, p, n))
+            budget -= n
+        chunk_needs = [blocks_needed(p + n, self.block_size) - len(s.block_ids)
+                       for s, p, n in continued]  # fmt: skip
+        if not self.allocator.can_allocate(sum(needs) + sum(chunk_needs)):
             return None
-        if self.waiting and self._could_join(
-            self.waiting[0], self.allocator.num_free - sum(needs), self.max_num_tokens - len(rows)
-        ):
+        if self.waiting and self.prefix_caching:
+            # What ``running`` computes is known here (every token before ``pending``): register
+            # the blocks it fills now, as its postprocess would, so that a newcomer finds them.
+            # Their K/V is written by ``running``, queued on the device before any step that
+            # could read them.
+            for seq, p in [*zip(seqs, starts, strict=True), *chunked]:
+                self._register_full_blocks(seq, p)
+        joins = bool(self.waiting) and self._could_join(
+            self.waiting[0], self.allocator.num_free - sum(needs) - sum(chunk_needs), budget
+        )
+        if joins and running.forks:
             return None
-        for seq, need in zip(seqs, needs, strict=True):
+        for seq, need in zip([*seqs, *(s for s, _, _ in continued)], needs + chunk_needs,
+                             strict=True):  # fmt: skip
             if need:
                 seq.block_ids += self.allocator.allocate(need)
+        slices = [SequenceSlice(s.block_ids, p, 1) for s, p in zip(seqs, starts, strict=True)]
+        input_ids: list[int] = []
+        forks: list[tuple[int, Sequence]] = []
+        for j, (seq, p, n) in enumerate(continued):
+            self.num_prefill_chunks += p + n < len(seq.tokens)
+            slices.append(SequenceSlice(seq.block_ids, p, n))
+            input_ids += seq.tokens[p : p + n]
+            if seq.children and p + n == len(seq.tokens):
+                forks += [(len(rows) + j, child) for child in seq.children]
+        joined = self._admit(budget) if joins else []
+        new_slices, new_ids, new_forks = self._host_rows(
+            joined, {}, first_row=len(rows) + len(continued)
+        )
         return ScheduledBatch(
-            seqs=seqs,
-            num_new=[1] * len(seqs),
-            slices=[SequenceSlice(s.block_ids, p, 1) for s, p in zip(seqs, starts, strict=True)],
-            input_ids=[],
+            seqs=seqs + [s for s, _, _ in continued] + [s for s, _ in joined],
+            num_new=[1] * len(seqs) + [n for _, _, n in continued] + [n for _, n in joined],
+            slices=slices + new_slices,
+            input_ids=input_ids + new_ids,
             feed_rows=rows,
+            forks=forks + new_forks,
         )
 
     def postprocess(
@@ -524,8 +610,11 @@ class Scheduler:
             seq.block_hashes.append(h)
         seq.num_computed = len(seq.block_ids) * self.block_size
 
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        while len(seq.block_hashes) < seq.num_computed // self.block_size:
+    def _register_full_blocks(self, seq: Sequence, computed: int | None = None) -> None:
+        """Register the full blocks among ``seq``'s first ``computed`` tokens (default: its
+        computed ones) that are not registered yet."""
+        full = (seq.num_computed if computed is None else computed) // self.block_size
+        while len(seq.block_hashes) < full:
             j = len(seq.block_hashes)
             h = self._block_hash(seq, j)
             self.allocator.register_prefix(seq.block_ids[j], h)

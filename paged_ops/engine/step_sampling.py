@@ -3,7 +3,10 @@ log-probabilities on the device, and their copy to the host.
 
 Rows: one per sequence of the step (``batch.seqs``), then one per sample forked off in this step
 (``batch.forks``), which draws from its prompt's logits row with its own seed. Row ``i < S`` is
-always ``batch.seqs[i]``'s, so a step scheduled ahead can feed those ids to the next step.
+always ``batch.seqs[i]``'s, so a step scheduled ahead can feed those ids to the next step. In a
+step scheduled ahead the fed rows come first (``batch.num_fed``): only they have a generated token
+the host does not know yet (``batch.sample_steps`` and the penalties count it); rows of requests
+admitted in it and forked samples have none.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ def sample_step(
     Args:
         logits: ``[S, V]`` of the step's sequences; greedy: ``[S]`` int64, their argmax.
         fed_from: ``[S_prev]`` int64 ids of the previous step when ``batch`` was scheduled ahead
-            (each row's generated token that the host does not know yet, for penalties).
+            (each fed row's generated token that the host does not know yet, for penalties).
     """
     if not batch.forks and not any([s.params.needs_sampler for s in batch.seqs]):
         return StepSample(greedy, [], [])  # the common case stays one cheap pass
@@ -122,8 +125,8 @@ def sample_step(
     else:
         pending = None
         if batch.feed_rows is not None and rows.repetition_penalties is not None:
-            feed = host_to_device(batch.feed_rows, torch.int64, logits.device)  # [S]
-            pending = fed_from.index_select(0, feed) if fed_from is not None else None
+            feed = host_to_device(batch.feed_rows, torch.int64, logits.device)  # [F]
+            pending = fed_from.index_select(0, feed) if fed_from is not None else None  # [F]
         ids = sample(logits, rows, greedy, pending)  # [R]
     wanted = [(r, s.params.logprobs) for r, s in enumerate(seqs) if s.params.logprobs is not None]
     if not wanted:
