@@ -147,3 +147,28 @@ def test_small_linear_pass_reroutes_linears_up_to_a_width_with_the_same_logits(m
     kept = 0 if max_out is None else num_layers
     assert seen == {"linear": kept, "small": 4 * num_layers + 1 - kept}
     assert rerouted == [seen["small"]]
+
+
+def test_inductor_options_apply_while_the_inner_backend_compiles(monkeypatch):
+    from torch._inductor import config
+
+    from paged_ops.engine import runner
+
+    seen: list[bool] = []
+
+    def inner(gm, example_inputs):
+        seen.append(config.combo_kernels)
+        return gm.forward
+
+    backend = fusion.compile_backend(
+        inner, fuse=False, inductor_options={"combo_kernels": not config.combo_kernels}
+    )
+    torch._dynamo.reset()
+    torch.compile(lambda x: x * 2 + 1, backend=backend, fullgraph=True)(torch.ones(3))
+    assert seen == [not config.combo_kernels]  # patched for the compile only
+    # the engine's options: combo kernels with Inductor on CUDA, nothing elsewhere
+    assert runner.inductor_options(torch.device("cpu")) == {}
+    monkeypatch.setattr(runner, "INNER_BACKEND", "inductor")
+    assert runner.inductor_options(torch.device("cuda")) == {"combo_kernels": True}
+    monkeypatch.setenv("PAGED_OPS_COMBO_KERNELS", "0")
+    assert runner.inductor_options(torch.device("cuda")) == {}

@@ -308,6 +308,7 @@ def compile_backend(
     small_linears: bool = False,
     max_out_features: int | None = None,
     on_rerouted: Callable[[int], None] | None = None,
+    inductor_options: dict[str, Any] | None = None,
 ) -> Callable:
     """A ``torch.compile`` backend: :func:`fuse_linears` (``fuse``), then
     :func:`route_small_linears` (``small_linears``), then ``inner`` (Inductor by default).
@@ -317,7 +318,8 @@ def compile_backend(
     ``max_autotune_gemm`` in ``torch._inductor.config`` when the graph is compiled), nothing is
     fused: its autotuner times each matmul on fresh inputs sized from the graph's own inputs, and a
     stacked weight is a view past the first weight's storage, which those inputs do not have
-    (benchmarks/NOTES.md section 12).
+    (benchmarks/NOTES.md section 12). ``inductor_options`` patch ``torch._inductor.config``
+    while ``inner`` compiles each graph.
     """
     from torch._dynamo import lookup_backend
 
@@ -332,6 +334,11 @@ def compile_backend(
             rerouted = route_small_linears(gm, max_out_features)
             if on_rerouted is not None:
                 on_rerouted(rerouted)
+        if inductor_options:
+            from torch._inductor import config
+
+            with config.patch(inductor_options):
+                return compile_inner(gm, example_inputs)
         return compile_inner(gm, example_inputs)
 
     return backend
