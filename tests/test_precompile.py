@@ -296,3 +296,17 @@ def test_a_directory_keeps_only_the_most_recently_used_saved_forwards(tmp_path, 
         monkeypatch.setenv(precompile.KEEP_ENV, bad)
         with pytest.raises(ValueError, match="PAGED_OPS_PRECOMPILED_KEEP"):
             precompile.kept()
+
+
+def test_the_key_follows_the_engines_own_inductor_options(tmp_path, monkeypatch):
+    # (combo kernels on CUDA: patched while the forward compiles, not at key time; a forward
+    # saved with them must not load with PAGED_OPS_COMBO_KERNELS=0, nor the other way round)
+    from paged_ops.engine import runner
+
+    paths = []
+    for options in ({}, {"epilogue_fusion": torch._inductor.config.epilogue_fusion}):
+        monkeypatch.setattr(runner, "inductor_options", lambda device, o=options: dict(o))
+        llm = LLM(tiny_llama(), compile=True, precompile=True, cache_dir=tmp_path, **SIZES)
+        paths.append(llm.runner.precompiled_path)
+        llm.close()
+    assert paths[0] is not None and paths[0] != paths[1]

@@ -53,9 +53,10 @@ INNER_BACKEND = "inductor"  # what compiles the graph after projection fusion (t
 
 def inductor_options(device: torch.device) -> dict[str, object]:
     """Inductor settings the engine compiles its forward with on CUDA: ``combo_kernels`` fuses
-    independent kernels into one launch (e.g. the q and k RoPE of a layer); H200, one process,
-    16 greedy prompts identical: 829 -> 838 tok/s at batch 1, 87,777 -> 89,976 at 256 requests
-    (benchmarks/NOTES.md section 22). ``PAGED_OPS_COMBO_KERNELS=0`` turns it off."""
+    independent kernels into one launch (e.g. the q and k RoPE of a layer). H200
+    (benchmarks/NOTES.md section 22): batch 1 +1-3% in every run (one process: 829 -> 838
+    tok/s, 16 greedy prompts identical; two processes: 825 -> 850), 256 requests within the run
+    spread (87,777 -> 89,976; 93,137 -> 92,144). ``PAGED_OPS_COMBO_KERNELS=0`` turns it off."""
     if device.type != "cuda" or INNER_BACKEND != "inductor":
         return {}
     if os.environ.get("PAGED_OPS_COMBO_KERNELS", "1") == "0":
@@ -289,6 +290,9 @@ class ModelRunner:
         settings = dict(
             runner=options,
             compiler=INNER_BACKEND,  # (tests swap in aot_eager)
+            # applied only while the inner backend compiles, so not in Inductor's config at key
+            # time: a forward compiled with other options must not load
+            inductor=inductor_options(self.device),
             builder=[builder.max_num_seqs, builder.max_num_tokens, builder.max_blocks_per_seq,
                      self.pa.block_size],
             cache=[tuple(cache.layers[0].shape), str(cache.layers[0].dtype), len(cache.layers)],
