@@ -166,9 +166,10 @@ def test_inductor_options_apply_while_the_inner_backend_compiles(monkeypatch):
     torch._dynamo.reset()
     torch.compile(lambda x: x * 2 + 1, backend=backend, fullgraph=True)(torch.ones(3))
     assert seen == [not config.combo_kernels]  # patched for the compile only
-    # the engine's options: combo kernels with Inductor on CUDA, nothing elsewhere
+    # the engine's options: combo kernels with Inductor on CUDA when asked for, nothing elsewhere
+    monkeypatch.setenv("PAGED_OPS_COMBO_KERNELS", "1")
     assert runner.inductor_options(torch.device("cpu")) == {}
     monkeypatch.setattr(runner, "INNER_BACKEND", "inductor")
     assert runner.inductor_options(torch.device("cuda")) == {"combo_kernels": True}
-    monkeypatch.setenv("PAGED_OPS_COMBO_KERNELS", "0")
+    monkeypatch.delenv("PAGED_OPS_COMBO_KERNELS")
     assert runner.inductor_options(torch.device("cuda")) == {}

@@ -15,7 +15,7 @@ Two paths:
   a guard that the next step breaks: after the first compile there are no recompiles.
 
 The LM head runs only for each sequence's last token (``logits_to_keep=md.logits_indices``), and the
-greedy choice (a two-pass argmax, :func:`~paged_ops.engine.sampler.greedy_ids`) is computed inside
+greedy choice (:func:`~paged_ops.engine.sampler.greedy_ids`: one Triton pass on CUDA) is computed inside
 the compiled forward and the graphs instead of in separate launches per step.
 
 Input ids come from the host (``batch.input_ids``) or, for a step scheduled ahead, from the previous
@@ -56,10 +56,11 @@ def inductor_options(device: torch.device) -> dict[str, object]:
     independent kernels into one launch (e.g. the q and k RoPE of a layer). H200
     (benchmarks/NOTES.md section 22): batch 1 +1-3% in every run (one process: 829 -> 838
     tok/s, 16 greedy prompts identical; two processes: 825 -> 850), 256 requests within the run
-    spread (87,777 -> 89,976; 93,137 -> 92,144). ``PAGED_OPS_COMBO_KERNELS=0`` turns it off."""
+    spread (87,777 -> 89,976; 93,137 -> 92,144). Opt-in (``PAGED_OPS_COMBO_KERNELS=1``) until
+    the GPU test suite has run with it: only the 1B benchmark model was compiled with it."""
     if device.type != "cuda" or INNER_BACKEND != "inductor":
         return {}
-    if os.environ.get("PAGED_OPS_COMBO_KERNELS", "1") == "0":
+    if os.environ.get("PAGED_OPS_COMBO_KERNELS", "0") != "1":
         return {}
     return {"combo_kernels": True}
 
