@@ -472,3 +472,18 @@ def test_compiled_greedy_ids_equal_argmax():
         logits = torch.randn(rows, vocab, generator=g)
         logits[0, :] = logits[0].round()  # ties: the first maximum wins
         assert torch.equal(compiled(logits), logits.argmax(dim=-1)), (rows, vocab)
+
+
+def test_a_burst_of_requests_is_queued_ahead_through_its_chunked_admissions():
+    # The benchmark's shape in small: more prompt tokens than one step's budget, so every step that
+    # admits requests ends with a prompt cut mid-way. Its next chunk continues in the step queued
+    # ahead (host ids after the fed rows): after the first step, every step is queued ahead.
+    alloc = BlockAllocator(num_blocks=256, block_size=BLOCK)
+    sched = Scheduler(alloc, max_num_seqs=16, max_num_tokens=40, max_model_len=64)
+    prompts = [[100 + i] * 12 for i in range(16)]  # 192 prompt tokens: 5 steps of 40
+    seqs = make(prompts, 20)
+    steps, ahead, mixed = run_overlapped(sched, seqs)
+    assert ahead == steps - 1 and mixed >= 4
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.status is SeqStatus.FINISHED and seq.output_ids == expected(prompt, 20)
+    assert alloc.num_free == 256

@@ -269,7 +269,9 @@ class Scheduler:
         # Newcomers join only when nobody had to be preempted (else they would evict each other).
         if not preempted:
             picked += self._admit(budget)
-        slices, input_ids, forks = self._host_rows(picked, drafts)
+        slices, input_ids, forks = self._host_rows(
+            [(seq, seq.num_computed, n) for seq, n in picked], drafts
+        )
         return ScheduledBatch(
             seqs=[s for s, _ in picked],
             num_new=[n for _, n in picked],
@@ -309,20 +311,24 @@ class Scheduler:
         return joined
 
     def _host_rows(
-        self, picked: list[tuple[Sequence, int]], drafts: dict[int, int], first_row: int = 0
+        self,
+        picked: list[tuple[Sequence, int, int]],
+        drafts: dict[int, int],
+        first_row: int = 0,
     ) -> tuple[list[SequenceSlice], list[int], list[tuple[int, Sequence]]]:
         """Slices, packed input ids and forks of rows whose new tokens the host knows: ``picked``
-        (sequence, new tokens) are the step's rows ``first_row``, ``first_row + 1``, ...; ``drafts``
-        maps an index in ``picked`` to the drafts that row verifies (their ids are written later
-        by the speculator). Counts the prompt chunks that stop short of the prompt's end."""
+        (sequence, position of its first new token, new tokens) are the step's rows
+        ``first_row``, ``first_row + 1``, ...; ``drafts`` maps an index in ``picked`` to the
+        drafts that row verifies (their ids are written later by the speculator). Counts the
+        prompt chunks that stop short of the prompt's end."""
         slices, input_ids, forks = [], [], []
-        for j, (seq, n) in enumerate(picked):
+        for j, (seq, start, n) in enumerate(picked):
             k = drafts.get(j, 0)
-            self.num_prefill_chunks += seq.num_computed + n - k < len(seq.tokens)
-            slices.append(SequenceSlice(seq.block_ids, seq.num_computed, n))
-            input_ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n - k])
+            self.num_prefill_chunks += start + n - k < len(seq.tokens)
+            slices.append(SequenceSlice(seq.block_ids, start, n))
+            input_ids.extend(seq.tokens[start : start + n - k])
             input_ids.extend([0] * k)  # the drafts, written by the speculator
-            if seq.children and seq.num_computed + n == len(seq.tokens):
+            if seq.children and start + n == len(seq.tokens):
                 forks += [(first_row + j, child) for child in seq.children]
         return slices, input_ids, forks
 
@@ -425,26 +431,18 @@ class Scheduler:
                              strict=True):  # fmt: skip
             if need:
                 seq.block_ids += self.allocator.allocate(need)
-        slices = [SequenceSlice(s.block_ids, p, 1) for s, p in zip(seqs, starts, strict=True)]
-        input_ids: list[int] = []
-        forks: list[tuple[int, Sequence]] = []
-        for j, (seq, p, n) in enumerate(continued):
-            self.num_prefill_chunks += p + n < len(seq.tokens)
-            slices.append(SequenceSlice(seq.block_ids, p, n))
-            input_ids += seq.tokens[p : p + n]
-            if seq.children and p + n == len(seq.tokens):
-                forks += [(len(rows) + j, child) for child in seq.children]
+        # rows after the fed ones: the prompts' next chunks, then the requests admitted now
         joined = self._admit(budget) if joins else []
-        new_slices, new_ids, new_forks = self._host_rows(
-            joined, {}, first_row=len(rows) + len(continued)
-        )
+        host = continued + [(s, s.num_computed, n) for s, n in joined]
+        slices, input_ids, forks = self._host_rows(host, {}, first_row=len(rows))
         return ScheduledBatch(
-            seqs=seqs + [s for s, _, _ in continued] + [s for s, _ in joined],
-            num_new=[1] * len(seqs) + [n for _, _, n in continued] + [n for _, n in joined],
-            slices=slices + new_slices,
-            input_ids=input_ids + new_ids,
+            seqs=seqs + [s for s, _, _ in host],
+            num_new=[1] * len(seqs) + [n for _, _, n in host],
+            slices=[SequenceSlice(s.block_ids, p, 1) for s, p in zip(seqs, starts, strict=True)]
+            + slices,
+            input_ids=input_ids,
             feed_rows=rows,
-            forks=forks + new_forks,
+            forks=forks,
         )
 
     def postprocess(
