@@ -284,8 +284,9 @@ class GenerationMetrics:
 
     ``tokens_per_s`` counts generated tokens over the wall time of the call (prefill included).
     ``num_overlapped_steps`` counts the steps queued before the previous step's ids were read (see
-    ``LLM(overlap=True)``); ``num_mixed_ahead_steps`` those of them that also admitted waiting
-    requests (their prompt chunks beside the decode rows fed on the device).
+    ``LLM(overlap=True)``); ``num_mixed_ahead_steps`` those of them that also carried prompt
+    chunks (of requests admitted in them, or of a prompt the step before left mid-way) beside the
+    decode rows fed on the device.
     """
 
     num_requests: int = 0

@@ -150,7 +150,8 @@ class ScheduledBatch:
 
     @property
     def is_mixed_ahead(self) -> bool:
-        """Scheduled ahead with requests admitted in it (rows not fed from the device)."""
+        """Scheduled ahead with rows whose ids come from the host: prompt chunks that continue
+        a prompt the step before left mid-way, or requests admitted in it."""
         return self.feed_rows is not None and len(self.feed_rows) < len(self.seqs)
 
     @property
