@@ -11,13 +11,10 @@ shapes); triton loads on the first call that needs it, never at ``import paged_o
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
-
 import torch
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from paged_ops.triton_dispatch import kernel_module, num_sms_of, runs_kernels_on
+
 BLOCK = 4096  # columns per tile
 NUM_STAGES = 3
 MAX_PARTS = 64
@@ -26,27 +23,16 @@ _lib = torch.library.Library("paged_ops", "FRAGMENT")  # noqa: TOR901 (kept aliv
 _lib.define("greedy_argmax(Tensor logits) -> Tensor")
 
 
-@functools.cache
 def _kernels():  # noqa: ANN202 (a module, or None without triton)
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from paged_ops.backends import triton_argmax_kernels
-
-    return triton_argmax_kernels
+    return kernel_module("paged_ops.backends.triton_argmax_kernels")
 
 
 def _use_triton(logits: torch.Tensor) -> bool:
-    on_device = logits.is_cuda or (
-        logits.device.type == "cpu"
-        and os.environ.get("TRITON_INTERPRET") == "1"
-        and logits.dtype != torch.bfloat16
-    )
     return (
-        on_device
+        runs_kernels_on(logits)
         and logits.dim() == 2
         and logits.shape[0] > 0
         and logits.shape[1] > 0
-        and logits.dtype in _DTYPES
         and logits.stride(1) == 1
         and _kernels() is not None
     )
@@ -60,11 +46,6 @@ def num_parts(num_rows: int, num_sms: int) -> int:
     return min(MAX_PARTS, 1 << (want - 1).bit_length())
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _greedy_argmax_impl(logits: torch.Tensor, parts: int | None = None) -> torch.Tensor:
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [S, V], got shape {tuple(logits.shape)}")
@@ -74,8 +55,7 @@ def _greedy_argmax_impl(logits: torch.Tensor, parts: int | None = None) -> torch
         return logits.argmax(-1)
     rows, vocab = logits.shape
     if parts is None:
-        sms = _num_sms(logits.device.index or 0) if logits.is_cuda else 132
-        parts = num_parts(rows, sms)
+        parts = num_parts(rows, num_sms_of(logits.device))
     width = -(-vocab // (parts * BLOCK)) * BLOCK  # columns per part, a multiple of BLOCK
     parts = -(-vocab // width)  # no part wholly past the vocabulary
     parts = 1 << (parts - 1).bit_length()  # a power of two for the combine's tl.arange

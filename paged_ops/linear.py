@@ -13,15 +13,12 @@ call that uses it, never at ``import paged_ops``.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
-
 import torch
 import torch.nn.functional as F
 
+from paged_ops.triton_dispatch import kernel_module, runs_kernels_on
+
 SMALL_M_MAX = 16  # rows (tokens) up to which the Triton GEMV runs; above it cuBLAS's GEMM
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _lib = torch.library.Library("paged_ops", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
 _lib.define("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
@@ -50,29 +47,17 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         raise ValueError(f"bias device {bias.device} differs from x's {x.device}")
 
 
-@functools.cache
 def _triton_kernels():  # noqa: ANN202 (a module, or None without triton)
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from paged_ops.backends import triton_linear_kernels
-
-    return triton_linear_kernels
+    return kernel_module("paged_ops.backends.triton_linear_kernels")
 
 
 def _use_triton(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the Triton GEMV serves ``x2d [M, K] @ weight[N, K]^T`` (else F.linear)."""
-    # CPU tensors only under the interpreter (CI), and not bfloat16: its tl.dot there is wrong
-    on_device = x2d.is_cuda or (
-        x2d.device.type == "cpu"
-        and os.environ.get("TRITON_INTERPRET") == "1"
-        and x2d.dtype != torch.bfloat16
-    )
     return (
-        on_device
+        runs_kernels_on(x2d)
         and 1 <= x2d.shape[0] <= SMALL_M_MAX
         and weight.shape[0] > 0
         and weight.shape[1] > 0
-        and x2d.dtype in _DTYPES
         and weight.stride(1) == 1
         and _triton_kernels() is not None
     )

@@ -31,12 +31,13 @@ with the host and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+
+from paged_ops.triton_dispatch import num_sms_of
 
 SMEM_BUDGET = 128 * 1024  # bytes of pipelined stage buffers the default configs stay under
 
@@ -234,18 +235,6 @@ def linear_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> L
     stage_bytes = (config.block_n + config.block_m(m)) * block_k * dtype.itemsize
     stages = max(2, min(4, SMEM_BUDGET // stage_bytes))
     return replace(config, num_stages=stages)
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def num_sms_of(device: torch.device) -> int:
-    """SM count of a CUDA device; 132 (an H100) for CPU tensors under the interpreter."""
-    if device.type != "cuda":
-        return 132
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _pdl_launch(pdl: bool) -> dict:
