@@ -21,9 +21,9 @@ the compiled forward and the graphs instead of in separate launches per step.
 Input ids come from the host (``batch.input_ids``) or, for a step scheduled ahead, from the previous
 step's sampled ids on the device (``batch.feed_rows``): a device copy, no host round trip. A mixed
 step scheduled ahead has both: its first ``batch.num_fed`` rows (one token each) are fed on the
-device, the tokens after them (requests admitted in that step) come from the host. Its newcomers'
-prompt chunks make it a prefill step for the eager/compiled path; only when each of them has a
-single token is it a decode step, which a graph replays with the same inputs.
+device, the tokens after them (a prompt's next chunk, requests admitted in that step) come from the
+host. Those prompt chunks make it a prefill step for the eager/compiled path; only when each of
+them has a single token is it a decode step, which a graph replays with the same inputs.
 """
 
 from __future__ import annotations
