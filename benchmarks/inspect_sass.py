@@ -67,7 +67,6 @@ def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
         "q_ptr": "*bf16",
         "cache_ptr": "*fp8e4nv" if fp8 else "*bf16",
         "cache_pairs_ptr": "*i16",
-        "counter_ptr": "*i32",
     }
     signature = {}
     for n in names:

@@ -345,37 +345,6 @@ def test_first_blocks_layout_gives_the_same_output(seqs, num_segments, kv_heads)
     assert (decode.first_blocks, prefill.first_blocks) == (1, 0)
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])
-@pytest.mark.parametrize("feature", ["plain", "everything"])
-def test_split_kv_combined_in_the_kernel_equals_the_reduce_kernel(feature, kv_heads):
-    """``fused_reduce`` (default): the segment program that counts in last combines the partials
-    (sinks included) where ``reduce_segments_kernel`` did. Same rows (float32 rounding of one
-    sum order), dense float64 agrees, padded rows are zeroed, and every counter is zero again
-    after each launch (the next launch of another shape counts from zero)."""
-    kwargs = FEATURES[feature]
-    batch = make_batch(
-        [(40, 1), (7, 0), (19, 2), (0, 1), (25, 9), (3, 1), (64, 1)], num_q_heads=8,
-        num_kv_heads=2, head_dim=32, block_size=4, pad_tokens=3, pad_seqs=2, seed=5,
-    )  # fmt: skip
-    block_q = 16 // (4 * kv_heads)
-    outs = []
-    for fused in (0, 1):
-        for segments in (2, 4):
-            cfg = triton_backend.LaunchConfig(
-                16, block_q, 16, segments, 4, 2, kv_heads=kv_heads, heads_fastest=1,
-                first_blocks=1, fused_reduce=fused,
-            )  # fmt: skip
-            outs.append(run_triton(batch, config=cfg, **kwargs))
-            counters = triton_backend._COUNTERS.get(torch.device("cpu"), [])
-            assert counters or not fused
-            assert all(int(c.abs().sum()) == 0 for c in counters), "a counter was left non-zero"
-    dense = dense_batch_f64(batch, **dense_kwargs(32, kwargs))
-    for split, fused in ((0, 2), (1, 3)):
-        torch.testing.assert_close(outs[fused], outs[split], rtol=1e-6, atol=1e-6)
-        assert_matches_dense(outs[fused], batch, dense, rtol=1e-5)
-        assert_padding_rows_zero(outs[fused], batch)
-
-
 def test_launch_config_splits_small_decode_batches_only():
     common = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, num_sms=132)
     small = triton_backend.launch_config(num_tokens=1, num_seqs=1, max_kv_len=16384, **common)

@@ -151,10 +151,6 @@ class LaunchConfig:
     # (unified kernel; decode steps by default): a one-token-per-sequence step's
     # working programs come first, with no empty ones among them (kernels._locate_query_block)
     first_blocks: int = 0
-    # 1 (default): split-KV (num_segments > 1) partials are combined by the segment program that
-    # finishes last (an atomic counter per query block and head program), not by a second
-    # kernel (reduce_segments_kernel, kept for 0)
-    fused_reduce: int = 1
 
 
 def parse_launch_overrides(spec: str) -> dict:
@@ -319,25 +315,6 @@ def _v_pairs_fit(kv_cache: torch.Tensor, head_dim: int) -> bool:
     )
 
 
-# device -> int32 counters of fused split-KV reductions, each zero between launches (the program
-# that uses one last zeroes it). Never freed or replaced: CUDA graphs keep their addresses. A
-# larger need adds a larger buffer (before a capture: the runner runs each step once first).
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _segment_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """``>= needed`` zeroed int32 counters on ``device``; None while a CUDA graph is being
-    captured and none is large enough (that launch reduces in a second kernel instead)."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if buffers and buffers[-1].numel() >= needed:
-        return buffers[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    size = max(needed, 2 * buffers[-1].numel() if buffers else 0, 4096)
-    buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 def paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
@@ -488,20 +465,12 @@ def paged_attention(
     else:
         part_m = part_l = target = out
     blocks, head_programs = num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads // cfg.kv_heads
-    counters = (
-        _segment_counters(query.device, blocks * head_programs)
-        if nseg > 1 and cfg.fused_reduce
-        else None
-    )
-    fused_reduce = counters is not None and bool(cfg.fused_reduce)
     heads_fastest = bool(cfg.heads_fastest) and blocks <= 65535  # (a grid's y limit)
     grid = (head_programs, blocks, nseg) if heads_fastest else (blocks, head_programs, nseg)
     kernels.paged_attention_kernel[grid](
         target,
         part_m,
         part_l,
-        out,
-        counters if fused_reduce else dummy,
         query,
         cache_arg,
         pairs_arg,
@@ -541,12 +510,11 @@ def paged_attention(
         HEADS_FASTEST=heads_fastest,
         V_PAIRS=bool(cfg.v_pairs),
         FIRST_BLOCKS=bool(cfg.first_blocks),
-        FUSED_REDUCE=fused_reduce,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
-    if nseg > 1 and not fused_reduce:
+    if nseg > 1:
         kernels.reduce_segments_kernel[(num_tokens, num_q_heads)](
             out,
             part_acc,

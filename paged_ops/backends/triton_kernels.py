@@ -14,11 +14,8 @@ of sequence ``s``), so no host sync is needed to size it. Spare programs past th
 write zeros into padded query rows, so every output row is finite.
 
 With ``NUM_SEGMENTS > 1`` (split-KV, for small batches over long contexts) each program handles one
-segment of its KV tiles and writes an unnormalised partial result, its running max and its sum.
-With ``FUSED_REDUCE`` (the default launch) each program then counts itself in on an atomic counter
-of its query block and head program; the one that counts last merges the segments (and the
-attention sink) into the output and zeroes the counter for the next launch, so a split step is
-one kernel. Otherwise ``reduce_segments_kernel`` merges them in a second launch.
+segment of its KV tiles and writes an unnormalised partial result, its running max and its sum;
+``reduce_segments_kernel`` merges the segments (and the attention sink) into the output.
 
 With ``KV_HEADS = 2`` (FP8 decode at D=64) a program serves two neighbouring KV heads: ``GROUP``
 is then both heads' query heads (2 x the GQA group), K/V tiles are ``[TILE_N, 2 D_PAD]`` (both
@@ -351,8 +348,6 @@ def paged_attention_kernel(
     out_ptr,  # [T, Hq, D] (NUM_SEGMENTS == 1) or partial acc [T, Hq, NUM_SEGMENTS, D_PAD] fp32
     part_m_ptr,  # [T, Hq, NUM_SEGMENTS] fp32 running max (log2 units); unused if NUM_SEGMENTS == 1
     part_l_ptr,  # [T, Hq, NUM_SEGMENTS] fp32 running sum
-    final_ptr,  # [T, Hq, D]: the output (== out_ptr when NUM_SEGMENTS == 1)
-    counter_ptr,  # [>= query blocks x head programs] int32, zero (FUSED_REDUCE; else unused)
     q_ptr,  # [T, Hq, D]
     cache_ptr,  # [N, 2, B, Hkv, D]
     cache_pairs_ptr,  # [N, 2, B, Hkv, D / 2] int16 view of an FP8 cache (V_PAIRS; else unused)
@@ -408,16 +403,13 @@ def paged_attention_kernel(
     HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, query blocks, segments)
     V_PAIRS: tl.constexpr = False,  # F16_DOT, HEAD_DIM == D_PAD, unit stride: V as int16 pairs
     FIRST_BLOCKS: tl.constexpr = False,  # each sequence's first query block first (decode)
-    FUSED_REDUCE: tl.constexpr = False,  # NUM_SEGMENTS > 1: the last segment to finish combines
 ):
     if HEADS_FASTEST:  # programs of one query block's heads run together (they read the same pages)
         pid = tl.program_id(1)
         head_prog = tl.program_id(0)
-        head_programs = tl.num_programs(0)
     else:
         pid = tl.program_id(0)
         head_prog = tl.program_id(1)
-        head_programs = tl.num_programs(1)
     kv_head = head_prog * KV_HEADS  # the program's first KV head
     segment = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
@@ -441,9 +433,9 @@ def paged_attention_kernel(
     # Spare programs (past every sequence's query blocks) zero the padded query rows.
     tail = pid - (tl.load(cu_ptr + num_seqs) // BLOCK_Q + num_seqs)
     if tail >= 0:
-        if NUM_SEGMENTS == 1 or (FUSED_REDUCE and segment == 0):
+        if NUM_SEGMENTS == 1:
             _zero_spare_rows(
-                final_ptr, cu_ptr, num_seqs, num_tokens, tail, head, offs_m, offs_d, d_mask,
+                out_ptr, cu_ptr, num_seqs, num_tokens, tail, head, offs_m, offs_d, d_mask,
                 stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, D_PAD,
             )  # fmt: skip
         return
@@ -594,61 +586,6 @@ def paged_attention_kernel(
             tl.store(ptrs, acc, mask=row_valid[:, None])
         else:
             tl.store(ptrs, acc, mask=store_mask)
-        if FUSED_REDUCE:
-            # Every thread's partials are stored before one thread counts this segment in
-            # (release); the program that counts last (acquire) combines all segments.
-            tl.debug_barrier()
-            counter = counter_ptr + pid * head_programs + head_prog
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SEGMENTS - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-                _combine_segments(
-                    final_ptr, out_ptr, part_m_ptr, part_l_ptr, sinks_ptr, row - segment, head,
-                    q_tok, cols, row_valid, store_mask, stride_ot, stride_oh, NUM_SEGMENTS,
-                    D_PAD, USE_SINKS, BLOCK_M, KV_HEADS * D_PAD,
-                )  # fmt: skip
-
-
-@triton.jit
-def _combine_segments(
-    final_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, first_row, head, q_tok, cols,
-    row_valid, store_mask, stride_ot, stride_oh, NUM_SEGMENTS: tl.constexpr,
-    D_PAD: tl.constexpr, USE_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr,
-):  # fmt: skip
-    """The softmax-weighted sum of a block's segment partials (``reduce_segments_kernel``'s
-    arithmetic, per row of the block): ``first_row [BLOCK_M]`` indexes each row's segment 0.
-    The partials were written by other programs of this launch: loads bypass L1 (``.cg``)."""
-    m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for seg in tl.static_range(NUM_SEGMENTS):
-        m_s = tl.load(part_m_ptr + first_row + seg, mask=row_valid, other=float("-inf"),
-                      cache_modifier=".cg")  # fmt: skip
-        m_max = tl.maximum(m_max, m_s)
-    if USE_SINKS:
-        sink = tl.load(sinks_ptr + head) * LOG2E  # [BLOCK_M]
-        m_max = tl.maximum(m_max, sink)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every segment empty: no -inf - -inf
-    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, C], dtype=tl.float32)
-    for seg in tl.static_range(NUM_SEGMENTS):
-        m_s = tl.load(part_m_ptr + first_row + seg, mask=row_valid, other=float("-inf"),
-                      cache_modifier=".cg")  # fmt: skip
-        l_s = tl.load(part_l_ptr + first_row + seg, mask=row_valid, other=0.0,
-                      cache_modifier=".cg")  # fmt: skip
-        w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_max))  # empty segments: 0
-        denom += w * l_s
-        part = tl.load(
-            part_acc_ptr + (first_row + seg)[:, None] * D_PAD + cols[None, :],
-            mask=store_mask,
-            other=0.0,
-            cache_modifier=".cg",
-        )  # [BLOCK_M, C]
-        acc += part * w[:, None]
-    if USE_SINKS:
-        denom += tl.exp2(sink - m_max)
-    denom = tl.where(denom == 0.0, 1.0, denom)  # a row that sees no key reads zeros
-    out = acc / denom[:, None]
-    ptrs = final_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
-    tl.store(ptrs, out.to(final_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit(do_not_specialize=PER_STEP_INTS)
