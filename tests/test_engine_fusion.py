@@ -166,10 +166,14 @@ def test_inductor_options_apply_while_the_inner_backend_compiles(monkeypatch):
     torch._dynamo.reset()
     torch.compile(lambda x: x * 2 + 1, backend=backend, fullgraph=True)(torch.ones(3))
     assert seen == [not config.combo_kernels]  # patched for the compile only
-    # the engine's options: combo kernels with Inductor on CUDA when asked for, nothing elsewhere
-    monkeypatch.setenv("PAGED_OPS_COMBO_KERNELS", "1")
+    # the engine's options: combo kernels with Inductor on CUDA unless switched off, nothing
+    # elsewhere (the CPU's C++ code generator was not measured)
+    monkeypatch.delenv("PAGED_OPS_COMBO_KERNELS", raising=False)
     assert runner.inductor_options(torch.device("cpu")) == {}
     monkeypatch.setattr(runner, "INNER_BACKEND", "inductor")
     assert runner.inductor_options(torch.device("cuda")) == {"combo_kernels": True}
-    monkeypatch.delenv("PAGED_OPS_COMBO_KERNELS")
+    monkeypatch.setenv("PAGED_OPS_COMBO_KERNELS", "0")
+    assert runner.inductor_options(torch.device("cuda")) == {}
+    monkeypatch.setenv("PAGED_OPS_COMBO_KERNELS", "1")
+    monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
     assert runner.inductor_options(torch.device("cuda")) == {}

@@ -54,13 +54,13 @@ INNER_BACKEND = "inductor"  # what compiles the graph after projection fusion (t
 def inductor_options(device: torch.device) -> dict[str, object]:
     """Inductor settings the engine compiles its forward with on CUDA: ``combo_kernels`` fuses
     independent kernels into one launch (e.g. the q and k RoPE of a layer). H200
-    (benchmarks/NOTES.md section 22): batch 1 +1-3% in every run (one process: 829 -> 838
+    (benchmarks/NOTES.md sections 22-23): batch 1 +1-3% in every run (one process: 829 -> 838
     tok/s, 16 greedy prompts identical; two processes: 825 -> 850), 256 requests within the run
-    spread (87,777 -> 89,976; 93,137 -> 92,144). Opt-in (``PAGED_OPS_COMBO_KERNELS=1``) until
-    the GPU test suite has run with it: only the 1B benchmark model was compiled with it."""
+    spread (87,777 -> 89,976; 93,137 -> 92,144); the engine's GPU tests pass with it (section
+    23). ``PAGED_OPS_COMBO_KERNELS=0`` compiles without it."""
     if device.type != "cuda" or INNER_BACKEND != "inductor":
         return {}
-    if os.environ.get("PAGED_OPS_COMBO_KERNELS", "0") != "1":
+    if os.environ.get("PAGED_OPS_COMBO_KERNELS", "1") == "0":
         return {}
     return {"combo_kernels": True}
 
