@@ -149,6 +149,52 @@ def compare_rows(calls: int, shapes, specs: list[str], rounds: int) -> list[dict
     return rows
 
 
+def write_kv_ab_rows(calls: int, shapes, rounds: int) -> list[dict]:
+    """A decode step's K/V write: ``write_kv`` then the attention (two launches, the op's way)
+    against the attention kernel writing them itself (``new_key``, one launch; NOTES.md section
+    23), alternating rounds per shape. Each sequence's new token sits at its last position; the
+    max_abs_diff of the one-launch output against the two launches' must be 0."""
+    rows = []
+    for batch, ctx in shapes:
+        query, cache, cu, lens, table = args = make_step([1] * batch, [ctx] * batch)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        new_k = torch.randn(batch, HKV, D, device="cuda", generator=g).to(query.dtype)
+        new_v = torch.randn(batch, HKV, D, device="cuda", generator=g).to(query.dtype)
+        pos = lens.long() - 1
+        slots = table.long().gather(1, (pos // BLOCK)[:, None])[:, 0] * BLOCK + pos % BLOCK
+        cfg = default_config(args)
+
+        def two(cache=cache, new_k=new_k, new_v=new_v, slots=slots, args=args, cfg=cfg):
+            tb.write_kv(new_k, new_v, cache, slots)
+            return attention(args, config=cfg)()
+
+        def one(query=query, cache=cache, cu=cu, lens=lens, table=table, new_k=new_k,
+                new_v=new_v, slots=slots, cfg=cfg):  # fmt: skip
+            return tb.paged_attention(
+                query, cache, cu, lens, table, scale=D**-0.5, causal=True, window=0,
+                softcap=0.0, sinks=None, alibi_slopes=None, config=cfg, new_key=new_k,
+                new_value=new_v, slot_mapping=slots,
+            )  # fmt: skip
+
+        reference = two()
+        cache_after = cache.clone()
+        cache[slots // BLOCK, :, slots % BLOCK] = 0  # the new rows stale again
+        out = one()
+        diff = float((out.float() - reference.float()).abs().max())
+        same_rows = torch.equal(cache, cache_after)  # one() wrote exactly what write_kv wrote
+        times = {"write_kv+attention": [], "attention writes": []}
+        for r in range(rounds):
+            order = [("write_kv+attention", two), ("attention writes", one)]
+            for label, fn in order if r % 2 == 0 else order[::-1]:
+                times[label].append(time_graph(fn, calls) * 1e6)
+        for label, t in times.items():
+            rows.append(dict(kind="write_kv_ab", batch=batch, context=ctx, spec=label,
+                             us=statistics.median(t), rounds_us=t, segments=cfg.num_segments,
+                             max_abs_diff=diff, new_rows_equal=same_rows))  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def prefill_rows(calls: int, with_unified: bool = False) -> list[dict]:
     """Causal prefill with the default launch (the prefill kernel); ``with_unified`` adds the
     unified kernel's launch for the same step (mode "unified")."""
@@ -291,6 +337,9 @@ def main() -> None:
                         "overrides on the decode shapes ('' = the default launch), e.g. "
                         "'' l2_prefetch=1 l2_prefetch=2")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="rounds of --compare")
+    parser.add_argument("--write-kv-ab", action="store_true", help="instead of the tables: "
+                        "write_kv + attention vs the attention kernel writing the decode step's "
+                        "K/V itself, alternating rounds on the decode shapes")  # fmt: skip
     a = parser.parse_args()
     globals()["D"] = a.head_dim  # every helper reads the module's D and KV_DTYPE
     globals()["KV_DTYPE"] = KV_DTYPES[a.kv_dtype]
@@ -300,6 +349,13 @@ def main() -> None:
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.decode_shapes.split(",")]
     splits = tuple(int(n) for n in a.splits.split(","))
     override = tb.parse_launch_overrides(a.override) if a.override else None
+    if a.write_kv_ab:
+        rows = write_kv_ab_rows(a.calls, shapes, a.rounds)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(dict(device=device, torch=torch.__version__, head_dim=D, rows=rows), f,
+                          indent=1)  # fmt: skip
+        return
     if a.compare:
         rows = compare_rows(a.calls, shapes, a.compare, a.rounds)
         print(f"{'batch':>6} {'ctx':>6} {'spec':28} {'median us':>10} {'TB/s':>6} {'max diff':>9}")

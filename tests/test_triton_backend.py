@@ -345,6 +345,47 @@ def test_first_blocks_layout_gives_the_same_output(seqs, num_segments, kv_heads)
     assert (decode.first_blocks, prefill.first_blocks) == (1, 0)
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("num_segments", [1, 2, 4])
+def test_a_decode_step_written_by_the_attention_kernel_equals_write_kv_then_attention(
+    num_segments, kv_heads
+):
+    """The experiment of benchmarks/NOTES.md section 23: ``new_key``/``new_value``/
+    ``slot_mapping`` make the decode program that owns each token's own KV tile store the token's
+    K/V (then a CTA barrier) instead of a ``write_kv`` launch before the attention. The cache and
+    the output equal write_kv then attention, for one and several segments (the owner is the
+    segment whose tiles hold the position), one and two KV heads per program, a finished
+    sequence (no query), padded tokens (slot -1: nothing written) and padded sequences."""
+    seqs = [(40, 1), (7, 0), (19, 1), (0, 1), (15, 1), (3, 1), (63, 1)]
+    kwargs = dict(num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=4, pad_tokens=3,
+                  pad_seqs=2, seed=11)  # fmt: skip
+    cfg = triton_backend.LaunchConfig(
+        16, 16 // (4 * kv_heads), 16, num_segments, 4, 2, kv_heads=kv_heads, heads_fastest=1,
+        first_blocks=1,
+    )  # fmt: skip
+    two_launches = make_batch(seqs, **kwargs)
+    expected = run_triton(two_launches, config=cfg)
+    one_launch = make_batch(seqs, **kwargs)
+    untouched = one_launch.kv_cache.clone()
+    got = triton_backend.paged_attention(
+        one_launch.query, one_launch.kv_cache, one_launch.cu_seqlens_q, one_launch.seq_lens,
+        one_launch.block_table, scale=32**-0.5, causal=True, window=0, softcap=0.0, sinks=None,
+        alibi_slopes=None, config=cfg, new_key=one_launch.new_key,
+        new_value=one_launch.new_value, slot_mapping=one_launch.slot_mapping,
+    )  # fmt: skip
+    assert torch.equal(one_launch.kv_cache, two_launches.kv_cache)
+    assert not torch.equal(one_launch.kv_cache, untouched)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert_matches_dense(got, one_launch, dense_batch_f64(one_launch, scale=32**-0.5), rtol=1e-5)
+    assert_padding_rows_zero(got, one_launch)
+    with pytest.raises(ValueError, match="new_key needs new_value and slot_mapping"):
+        triton_backend.paged_attention(
+            one_launch.query, one_launch.kv_cache, one_launch.cu_seqlens_q, one_launch.seq_lens,
+            one_launch.block_table, scale=1.0, causal=True, window=0, softcap=0.0, sinks=None,
+            alibi_slopes=None, config=cfg, new_key=one_launch.new_key,
+        )  # fmt: skip
+
+
 def test_launch_config_splits_small_decode_batches_only():
     common = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, num_sms=132)
     small = triton_backend.launch_config(num_tokens=1, num_seqs=1, max_kv_len=16384, **common)

@@ -333,11 +333,17 @@ def paged_attention(
     plan_handle: int = -1,
     num_segments: int | None = None,
     config: LaunchConfig | None = None,
+    new_key: torch.Tensor | None = None,  # [T, Hkv, D]
+    new_value: torch.Tensor | None = None,  # [T, Hkv, D]
+    slot_mapping: torch.Tensor | None = None,  # [T] int64, -1 = none
 ) -> torch.Tensor:  # [T, Hq, D]
     """Paged attention with the op contract's semantics.
 
     ``num_segments`` forces split-KV and ``config`` every launch choice (tests and tile sweeps);
-    by default :func:`launch_config` picks them from shapes.
+    by default :func:`launch_config` picks them from shapes. ``new_key``/``new_value``/
+    ``slot_mapping`` (an experiment, benchmarks/NOTES.md section 23; not used by the op): a
+    decode step's K/V written by the attention kernel itself instead of a ``write_kv`` launch
+    before it. The caller guarantees one query token per sequence; 16/32-bit caches only.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -397,6 +403,24 @@ def paged_attention(
             )
         cfg = dataclasses.replace(cfg, v_pairs=0)
     pairs_arg = kv_cache.view(torch.int16) if cfg.v_pairs else cache_arg
+    write_kv_here = new_key is not None
+    if write_kv_here and (
+        new_value is None or slot_mapping is None or fp8_cache or cfg.kernel != "unified"
+    ):
+        raise ValueError(
+            "new_key needs new_value and slot_mapping, a 16/32-bit cache and the unified kernel; "
+            f"got new_value={new_value is not None}, slot_mapping={slot_mapping is not None}, "
+            f"cache {kv_cache.dtype}, kernel {cfg.kernel!r}"
+        )
+    new_k = new_key if write_kv_here else query
+    new_v = new_value if write_kv_here else query
+    write_args = (
+        new_k,
+        new_v,
+        slot_mapping if write_kv_here else cu_seqlens_q,
+        *new_k.stride(),
+        *new_v.stride(),
+    )
     fp8_args = dict(
         USE_K_SCALE=k_scale is not None,
         USE_V_SCALE=v_scale is not None,
@@ -480,6 +504,7 @@ def paged_attention(
         sinks if sinks is not None else dummy,
         alibi_slopes if alibi_slopes is not None else dummy,
         *scale_args,
+        *write_args,
         float(scale),
         float(softcap),
         int(window),
@@ -510,6 +535,7 @@ def paged_attention(
         HEADS_FASTEST=heads_fastest,
         V_PAIRS=bool(cfg.v_pairs),
         FIRST_BLOCKS=bool(cfg.first_blocks),
+        WRITE_KV=write_kv_here,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),

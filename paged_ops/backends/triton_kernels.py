@@ -360,6 +360,15 @@ def paged_attention_kernel(
     v_scale_ptr,
     stride_ks,  # 0: one scale per layer, 1: one per KV head
     stride_vs,
+    new_k_ptr,  # [T, Hkv, D] this step's keys (WRITE_KV; else unused)
+    new_v_ptr,  # [T, Hkv, D]
+    slot_ptr,  # [T] int64 cache slot of each token, -1 = none
+    stride_nkt,
+    stride_nkh,
+    stride_nkd,
+    stride_nvt,
+    stride_nvh,
+    stride_nvd,
     scale,
     softcap,
     window,
@@ -403,6 +412,7 @@ def paged_attention_kernel(
     HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, query blocks, segments)
     V_PAIRS: tl.constexpr = False,  # F16_DOT, HEAD_DIM == D_PAD, unit stride: V as int16 pairs
     FIRST_BLOCKS: tl.constexpr = False,  # each sequence's first query block first (decode)
+    WRITE_KV: tl.constexpr = False,  # decode steps (one query per sequence): write its K/V here
 ):
     if HEADS_FASTEST:  # programs of one query block's heads run together (they read the same pages)
         pid = tl.program_id(1)
@@ -497,6 +507,33 @@ def paged_attention_kernel(
             scale = scale * tl.load(k_scale_ptr + (kv_head + row_head) * stride_ks)[:, None]
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     kv_base = cache_ptr + kv_head * stride_ch
+    if WRITE_KV:
+        # A decode step (the caller guarantees one query token per sequence): the program whose
+        # KV range holds the token's own position stores its K/V rows (this program's KV heads)
+        # before reading that tile; a CTA barrier makes the stores visible to every thread. No
+        # other program of the step reads that slot.
+        tl.static_assert(not FP8_CACHE, "WRITE_KV: bf16/fp16/fp32 caches only")
+        own_tile = (kv_len - 1) // TILE_N
+        if (q_len > 0) & (own_tile >= tile_lo) & (own_tile < tile_hi):
+            tok = q_start.to(tl.int64)
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            if KV_HEADS == 1:  # noqa: SIM108 (col_head exists only with KV_HEADS > 1)
+                src_head = kv_head + cols * 0
+            else:
+                src_head = kv_head + col_head
+            keep = col_mask & (cols * 0 + slot >= 0)
+            k_row = tl.load(
+                new_k_ptr + tok * stride_nkt + src_head * stride_nkh + cols * stride_nkd,
+                mask=keep,
+            )  # [KV_HEADS * D_PAD]
+            v_row = tl.load(
+                new_v_ptr + tok * stride_nvt + src_head * stride_nvh + cols * stride_nvd,
+                mask=keep,
+            )
+            dst = kv_base + (slot // BLOCK_SIZE) * stride_cn + (slot % BLOCK_SIZE) * stride_cb
+            tl.store(dst + col_off, k_row.to(cache_ptr.dtype.element_ty), mask=keep)
+            tl.store(dst + stride_ckv + col_off, v_row.to(cache_ptr.dtype.element_ty), mask=keep)
+            tl.debug_barrier()
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] KV positions
         n_valid = offs_n < kv_len
