@@ -8,6 +8,8 @@ several replays of ``--calls`` back-to-back kernel calls. Decode reports KV byte
     python benchmarks/bench_triton.py --head-dim 256 --sweep --sweep-kinds decode   # D=256 tiles
     python benchmarks/bench_triton.py --kv-dtype fp8_e4m3 --sweep --sweep-kinds decode  # FP8 cache
     python benchmarks/bench_triton.py --compare '' l2_prefetch=1 --rounds 5   # alternating A/B
+    python benchmarks/bench_triton.py --head-dim 64 --decode-shapes 2x512,256x384 --write-kv-ab
+        # write_kv + attention vs the attention kernel writing the decode step's K/V itself
 
 With an FP8 cache (``--kv-dtype``) the decode sweep covers 64 x 4096 and 256 x 4096 (issue 11's
 shapes) over ``decode_candidates`` (at D <= 64 with two KV heads per program); scales are 1.0.
