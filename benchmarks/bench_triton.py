@@ -78,12 +78,26 @@ def time_graph(fn, calls: int, replays: int = 7) -> float:
     return statistics.median(times)
 
 
-def attention(args, config: tb.LaunchConfig | None = None, num_segments: int | None = None):
+def attention(
+    args, config: tb.LaunchConfig | None = None, num_segments: int | None = None, **extra
+):
+    """A call of the backend's attention on ``args`` (``extra``: more of its keywords)."""
     query, cache, cu, lens, table = args
     return lambda: tb.paged_attention(
         query, cache, cu, lens, table, scale=D**-0.5, causal=True, window=0, softcap=0.0,
-        sinks=None, alibi_slopes=None, config=config, num_segments=num_segments,
+        sinks=None, alibi_slopes=None, config=config, num_segments=num_segments, **extra,
     )  # fmt: skip
+
+
+def alternating_times(fns: list, calls: int, rounds: int) -> list[list[float]]:
+    """us per call of each of ``fns`` in each of ``rounds`` rounds, the order reversed every
+    other round (A/B comparisons on one GPU)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            times[i].append(time_graph(fns[i], calls) * 1e6)
+    return times
 
 
 def default_config(args) -> tb.LaunchConfig:
@@ -134,13 +148,10 @@ def compare_rows(calls: int, shapes, specs: list[str], rounds: int) -> list[dict
             dataclasses.replace(default, **(tb.parse_launch_overrides(sp) if sp else {}))
             for sp in specs
         ]
-        outs = [attention(args, config=c)() for c in cfgs]
+        fns = [attention(args, config=c) for c in cfgs]
+        outs = [fn() for fn in fns]
         diffs = [float((o.float() - outs[0].float()).abs().max()) for o in outs]
-        times: list[list[float]] = [[] for _ in specs]
-        for r in range(rounds):
-            order = range(len(specs)) if r % 2 == 0 else reversed(range(len(specs)))
-            for i in order:
-                times[i].append(time_graph(attention(args, config=cfgs[i]), calls) * 1e6)
+        times = alternating_times(fns, calls, rounds)
         for sp, t, diff in zip(specs, times, diffs, strict=True):
             us = statistics.median(t)
             rows.append(
@@ -165,31 +176,21 @@ def write_kv_ab_rows(calls: int, shapes, rounds: int) -> list[dict]:
         pos = lens.long() - 1
         slots = table.long().gather(1, (pos // BLOCK)[:, None])[:, 0] * BLOCK + pos % BLOCK
         cfg = default_config(args)
+        attend = attention(args, config=cfg)
 
-        def two(cache=cache, new_k=new_k, new_v=new_v, slots=slots, args=args, cfg=cfg):
+        def two(cache=cache, new_k=new_k, new_v=new_v, slots=slots, attend=attend):
             tb.write_kv(new_k, new_v, cache, slots)
-            return attention(args, config=cfg)()
+            return attend()
 
-        def one(query=query, cache=cache, cu=cu, lens=lens, table=table, new_k=new_k,
-                new_v=new_v, slots=slots, cfg=cfg):  # fmt: skip
-            return tb.paged_attention(
-                query, cache, cu, lens, table, scale=D**-0.5, causal=True, window=0,
-                softcap=0.0, sinks=None, alibi_slopes=None, config=cfg, new_key=new_k,
-                new_value=new_v, slot_mapping=slots,
-            )  # fmt: skip
-
+        one = attention(args, config=cfg, new_key=new_k, new_value=new_v, slot_mapping=slots)
         reference = two()
         cache_after = cache.clone()
         cache[slots // BLOCK, :, slots % BLOCK] = 0  # the new rows stale again
         out = one()
         diff = float((out.float() - reference.float()).abs().max())
         same_rows = torch.equal(cache, cache_after)  # one() wrote exactly what write_kv wrote
-        times = {"write_kv+attention": [], "attention writes": []}
-        for r in range(rounds):
-            order = [("write_kv+attention", two), ("attention writes", one)]
-            for label, fn in order if r % 2 == 0 else order[::-1]:
-                times[label].append(time_graph(fn, calls) * 1e6)
-        for label, t in times.items():
+        times = alternating_times([two, one], calls, rounds)
+        for label, t in zip(("write_kv+attention", "attention writes"), times, strict=True):
             rows.append(dict(kind="write_kv_ab", batch=batch, context=ctx, spec=label,
                              us=statistics.median(t), rounds_us=t, segments=cfg.num_segments,
                              max_abs_diff=diff, new_rows_equal=same_rows))  # fmt: skip
@@ -351,19 +352,16 @@ def main() -> None:
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.decode_shapes.split(",")]
     splits = tuple(int(n) for n in a.splits.split(","))
     override = tb.parse_launch_overrides(a.override) if a.override else None
-    if a.write_kv_ab:
-        rows = write_kv_ab_rows(a.calls, shapes, a.rounds)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(dict(device=device, torch=torch.__version__, head_dim=D, rows=rows), f,
-                          indent=1)  # fmt: skip
-        return
-    if a.compare:
-        rows = compare_rows(a.calls, shapes, a.compare, a.rounds)
-        print(f"{'batch':>6} {'ctx':>6} {'spec':28} {'median us':>10} {'TB/s':>6} {'max diff':>9}")
-        for r in rows:
-            print(f"{r['batch']:>6} {r['context']:>6} {r['spec']:28} {r['us']:>10.1f} "
-                  f"{r['tb_per_s']:>6.2f} {r['max_abs_diff']:>9.2e}")  # fmt: skip
+    if a.write_kv_ab or a.compare:
+        if a.write_kv_ab:
+            rows = write_kv_ab_rows(a.calls, shapes, a.rounds)
+        else:
+            rows = compare_rows(a.calls, shapes, a.compare, a.rounds)
+            print(f"{'batch':>6} {'ctx':>6} {'spec':28} {'median us':>10} {'TB/s':>6} "
+                  f"{'max diff':>9}")  # fmt: skip
+            for r in rows:
+                print(f"{r['batch']:>6} {r['context']:>6} {r['spec']:28} {r['us']:>10.1f} "
+                      f"{r['tb_per_s']:>6.2f} {r['max_abs_diff']:>9.2e}")  # fmt: skip
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(dict(device=device, torch=torch.__version__, head_dim=D,

@@ -417,7 +417,7 @@ def paged_attention(
     write_args = (
         new_k,
         new_v,
-        slot_mapping if write_kv_here else cu_seqlens_q,
+        slot_mapping if write_kv_here else dummy,
         *new_k.stride(),
         *new_v.stride(),
     )
