@@ -178,5 +178,7 @@ def paged_attention_forward(
     v = value.transpose(1, 2).reshape(bsz * t, value.shape[1], head_dim)  # [B*T, Hkv, D]
     if sinks is not None:
         sinks = sinks.to(torch.float32)  # [Hq]
-    out = pa(layer_idx, q, k, v, sinks=sinks, metadata=md)  # [B*T, Hq, D]
+    # the prepared step (pa.metadata) goes by default: the forward then knows its kind
+    device_step = md if isinstance(attention_mask, DeviceStep) else None
+    out = pa(layer_idx, q, k, v, sinks=sinks, metadata=device_step)  # [B*T, Hq, D]
     return out.view(bsz, t, num_heads, head_dim), None  # [B, T, Hq, D]

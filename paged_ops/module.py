@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from paged_ops.backends import LayerSpec, resolve_backend
+from paged_ops.backends import LayerSpec, get_backend, resolve_backend
 from paged_ops.backends.by_step import LayerRouting, is_planned
 from paged_ops.cache import BlockAllocator, KVCache, OutOfBlocksError, blocks_needed
 from paged_ops.checks import check_layer_heads
@@ -149,6 +149,13 @@ class PagedAttention(nn.Module):
             device=self.kv_cache.device,
         )
         self.metadata: AttentionMetadata | None = None
+        # [] bool on the CPU: whether the prepared step is a decode step (every sequence adds at
+        # most one query token); use_step sets it, write_kv_and_attend reads it on the host. A
+        # tensor, so a compiled forward holds no guard on it; a CUDA graph keeps the launch of
+        # the step it captured. The second one stands for steps computed on the device (decode
+        # steps by construction: MetadataBuilder.decode_step).
+        self.step_is_decode = torch.zeros((), dtype=torch.bool)
+        self._device_decode_step = torch.ones((), dtype=torch.bool)
         # What the next forward runs: PACKED_STEP after prepare()/prepare_slices(), or a key the
         # transformers integration sets for a [B, T] batch; the integration's attention function
         # clears it at the model's first layer (a forward consumes its step).
@@ -197,6 +204,21 @@ class PagedAttention(nn.Module):
         ]
         # KV writes go through the first layer's backend; every backend obeys one cache layout.
         self.write_backend = self.layer_backends[0]
+        # Backends whose layers call paged_ops::write_kv_and_attend (a decode step's K/V written
+        # by the attention kernel): those with the function (triton). Not "by_step" groups:
+        # their other steps' backend (FlashInfer) would copy its output into the op's ``out``.
+        self.write_and_attend_backends = frozenset(
+            name
+            for name, _ in self.layer_routes + [(n, -1) for n in self.padding_backends]
+            if hasattr(get_backend(name), "write_kv_and_attend")
+        )
+
+    def attention_writes_decode_kv(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s decode steps have the attention kernel write their K/V
+        (triton for decode steps, a 16/32-bit cache; where the launch takes the unified kernel,
+        which a decode step of ``T <= 2 S`` padded tokens does)."""
+        decode_backend = self.backend_table()["decode"][layer_idx]
+        return decode_backend == "triton" and not is_fp8(self.kv_cache_dtype)
 
     def backend_table(self) -> dict[str, list[str]]:
         """The backend of each layer per step kind: ``{"decode": [...], "prefill": [...],
@@ -328,6 +350,7 @@ class PagedAttention(nn.Module):
         ``owner`` is kept alive until the next step (e.g. the blocks of a one-forward batch).
         """
         self.routing.plan(metadata)  # each group's backend for the step's kind, planned
+        self.step_is_decode.fill_(metadata.max_query_len <= 1)
         self.metadata, self.pending_step, self.step_owner = metadata, key, owner
         return metadata
 
@@ -365,10 +388,14 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """Write this step's K/V for layer ``layer_idx`` and attend over the cache.
 
+        In a decode step, on the triton backend and a 16/32-bit cache, the attention kernel
+        writes the K/V itself (``paged_ops::write_kv_and_attend``: one launch instead of two).
+
         Args:
             query: ``[T, Hq, D]``; key, value: ``[T, Hkv, D]`` (after RoPE), T = padded step tokens.
             sinks: ``[Hq]`` float32 when the layer was configured with ``has_sinks``.
-            metadata: the step (default: the one ``prepare`` built).
+            metadata: the step (default: the one ``prepare``/``use_step`` made current); one given
+                here that is not computed on the device runs as a step of any kind.
         Returns:
             ``[T, Hq, D]``.
         """
@@ -386,15 +413,7 @@ class PagedAttention(nn.Module):
         if k_scale is not None and self.calculate_kv_scales:
             self._calibrate(layer_idx, key, value, md.slot_mapping)
             k_scale, v_scale = self.k_scales[layer_idx], self.v_scales[layer_idx]  # measured rows
-        torch.ops.paged_ops.write_kv.default(
-            key, value, cache, md.slot_mapping, k_scale, v_scale, self.write_backend
-        )
-        return torch.ops.paged_ops.paged_attention.default(
-            query,
-            cache,
-            md.cu_seqlens_q,
-            md.seq_lens,
-            md.block_table,
+        consts = (
             float(self.head_dim**-0.5 if cfg.scale is None else cfg.scale),
             cfg.causal,
             int(cfg.sliding_window or 0),
@@ -403,6 +422,34 @@ class PagedAttention(nn.Module):
             alibi_slopes,
             k_scale,
             v_scale,
-            backend,
-            handle,
         )
+        decode_step = self._decode_step_flag(md, metadata is None, backend)
+        recording = torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad
+        )
+        if decode_step is not None and not recording:
+            out = torch.empty_like(query)  # [T, Hq, D]
+            torch.ops.paged_ops.write_kv_and_attend.default(
+                query, key, value, cache, out, md.slot_mapping, md.cu_seqlens_q, md.seq_lens,
+                md.block_table, decode_step, *consts, backend, handle,
+            )  # fmt: skip
+            return out
+        torch.ops.paged_ops.write_kv.default(
+            key, value, cache, md.slot_mapping, k_scale, v_scale, self.write_backend
+        )
+        return torch.ops.paged_ops.paged_attention.default(
+            query, cache, md.cu_seqlens_q, md.seq_lens, md.block_table, *consts, backend, handle
+        )
+
+    def _decode_step_flag(
+        self, md: AttentionMetadata, prepared: bool, backend: str
+    ) -> torch.Tensor | None:
+        """The ``[]`` CPU bool that tells ``write_kv_and_attend`` whether the step is a decode
+        step, or None where the layer takes ``write_kv`` + ``paged_attention``: a backend that
+        never fuses them, an FP8 cache (the kernel does not quantize), or metadata that is
+        neither the prepared step nor computed on the device (its kind is not known)."""
+        if backend not in self.write_and_attend_backends or is_fp8(self.kv_cache_dtype):
+            return None
+        if md.computed_on_device:
+            return self._device_decode_step
+        return self.step_is_decode if prepared else None

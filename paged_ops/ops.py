@@ -23,6 +23,17 @@ _lib.define(
     "Tensor block_table, float scale, bool causal, int window, float softcap, Tensor? sinks, "
     "Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, str backend, int plan_handle) -> Tensor"
 )
+# write_kv then paged_attention into ``out``, for backends that have ``write_kv_and_attend``
+# (triton): one launch where the step is a decode step (at most one query token per sequence;
+# ``decode_step`` a CPU bool ``[]`` tensor, read on the host). The step's kind is a per-step fact,
+# so a tensor: a trace holds no guard on it, and a CUDA graph keeps the launch of the step it
+# captured (decode graphs replay decode steps only).
+_lib.define(
+    "write_kv_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
+    "Tensor(b!) out, Tensor slot_mapping, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, "
+    "Tensor decode_step, float scale, bool causal, int window, float softcap, Tensor? sinks, "
+    "Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, str backend, int plan_handle) -> ()"
+)
 
 
 def _write_kv_impl(
@@ -72,9 +83,40 @@ def _paged_attention_impl(
     )
 
 
+def _write_kv_and_attend_impl(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    decode_step: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    backend: str,
+    plan_handle: int,
+) -> None:
+    get_backend(backend).write_kv_and_attend(
+        query, key, value, kv_cache, slot_mapping, cu_seqlens_q, seq_lens, block_table, out=out,
+        decode_step=bool(decode_step.item()), scale=scale, causal=causal, window=window,
+        softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, k_scale=k_scale,
+        v_scale=v_scale, plan_handle=plan_handle,
+    )  # fmt: skip
+
+
 for _device in ("CPU", "CUDA"):
     _lib.impl("write_kv", _write_kv_impl, _device)
     _lib.impl("paged_attention", _paged_attention_impl, _device)
+    _lib.impl("write_kv_and_attend", _write_kv_and_attend_impl, _device)
 
 
 # The backward of paged_attention is an op of its own that raises when it runs: traceable (its
@@ -135,8 +177,29 @@ def _write_kv_autograd(
 _lib.impl("write_kv", _write_kv_autograd, "Autograd")
 
 
+def _write_kv_and_attend_autograd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                  *args: object) -> None:  # fmt: skip
+    # PagedAttention.forward takes write_kv + paged_attention (whose output's backward raises)
+    # whenever autograd records; this op serves forwards that record nothing.
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        raise RuntimeError(
+            "paged_ops::write_kv_and_attend is inference-only; with grad enabled, call "
+            "paged_ops::write_kv then paged_ops::paged_attention"
+        )
+    with torch._C._AutoDispatchBelowAutograd():
+        torch.ops.paged_ops.write_kv_and_attend.default(query, key, value, *args)
+
+
+_lib.impl("write_kv_and_attend", _write_kv_and_attend_autograd, "Autograd")
+
+
 @torch.library.register_fake("paged_ops::write_kv", lib=_lib)
 def _write_kv_fake(key, value, kv_cache, slot_mapping, k_scale, v_scale, backend):  # noqa: ANN001
+    return None
+
+
+@torch.library.register_fake("paged_ops::write_kv_and_attend", lib=_lib)
+def _write_kv_and_attend_fake(*args):  # noqa: ANN002
     return None
 
 

@@ -350,9 +350,9 @@ def test_first_blocks_layout_gives_the_same_output(seqs, num_segments, kv_heads)
 def test_a_decode_step_written_by_the_attention_kernel_equals_write_kv_then_attention(
     num_segments, kv_heads
 ):
-    """The experiment of benchmarks/NOTES.md section 23: ``new_key``/``new_value``/
-    ``slot_mapping`` make the decode program that owns each token's own KV tile store the token's
-    K/V (then a CTA barrier) instead of a ``write_kv`` launch before the attention. The cache and
+    """``new_key``/``new_value``/``slot_mapping`` (benchmarks/NOTES.md sections 23-24) make the
+    decode program that owns each token's own KV tile store the token's K/V (then a CTA barrier)
+    instead of a ``write_kv`` launch before the attention. The cache and
     the output equal write_kv then attention, for one and several segments (the owner is the
     segment whose tiles hold the position), one and two KV heads per program, a finished
     sequence (no query), padded tokens (slot -1: nothing written) and padded sequences."""
@@ -378,12 +378,46 @@ def test_a_decode_step_written_by_the_attention_kernel_equals_write_kv_then_atte
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert_matches_dense(got, one_launch, dense_batch_f64(one_launch, scale=32**-0.5), rtol=1e-5)
     assert_padding_rows_zero(got, one_launch)
-    with pytest.raises(ValueError, match="new_key needs new_value and slot_mapping"):
+    with pytest.raises(ValueError, match="new_key, new_value and slot_mapping go together"):
         triton_backend.paged_attention(
             one_launch.query, one_launch.kv_cache, one_launch.cu_seqlens_q, one_launch.seq_lens,
             one_launch.block_table, scale=1.0, causal=True, window=0, softcap=0.0, sinks=None,
             alibi_slopes=None, config=cfg, new_key=one_launch.new_key,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["prefill_kernel", "fp8_cache"])
+def test_a_decode_write_the_kernel_cannot_do_runs_the_write_kernel_first(case, monkeypatch):
+    """Where the attention kernel cannot store the K/V (the prefill kernel; an FP8 cache, which
+    needs quantizing), ``new_key`` runs ``write_kv`` before the attention: same cache, same
+    output as the two calls."""
+    seqs = [(9, 1), (0, 1), (21, 1)]
+    kwargs = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4, pad_tokens=1,
+                  pad_seqs=1, seed=3)  # fmt: skip
+    extra: dict = {}
+    if case == "prefill_kernel":
+        extra["config"] = triton_backend.LaunchConfig(64, 32, 64, 1, 4, 2, kernel="prefill")
+
+    def batch():
+        b = make_batch(seqs, **kwargs)
+        if case == "fp8_cache":
+            b.kv_cache = b.kv_cache.to(torch.float8_e4m3fn)
+        return b
+
+    two_launches, one_call = batch(), batch()
+    expected = run_triton(two_launches, **extra)
+    writes = []
+    write_kv = triton_backend.write_kv
+    monkeypatch.setattr(triton_backend, "write_kv", lambda *a: writes.append(1) or write_kv(*a))
+    got = triton_backend.paged_attention(
+        one_call.query, one_call.kv_cache, one_call.cu_seqlens_q, one_call.seq_lens,
+        one_call.block_table, scale=32**-0.5, causal=True, window=0, softcap=0.0, sinks=None,
+        alibi_slopes=None, new_key=one_call.new_key, new_value=one_call.new_value,
+        slot_mapping=one_call.slot_mapping, **extra,
+    )  # fmt: skip
+    assert writes == [1]
+    assert torch.equal(one_call.kv_cache.view(torch.uint8), two_launches.kv_cache.view(torch.uint8))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_launch_config_splits_small_decode_batches_only():
@@ -483,9 +517,32 @@ def test_opcheck_triton_ops():
         torch.ops.paged_ops.paged_attention.default,
         (*args, 0.25, True, 3, 4.0, torch.zeros(4), None, None, None, "triton", -1),
     )
+    decode = make_batch(
+        [(3, 1), (5, 1)], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, pad_tokens=1
+    )
+    for decode_step in (True, False):
+        torch.library.opcheck(
+            torch.ops.paged_ops.write_kv_and_attend.default,
+            (decode.query, decode.new_key, decode.new_value, decode.kv_cache,
+             torch.empty_like(decode.query), decode.slot_mapping, decode.cu_seqlens_q,
+             decode.seq_lens, decode.block_table, torch.tensor(decode_step), 0.25, True, 3, 4.0,
+             torch.zeros(4), None, None, None, "triton", -1),
+        )  # fmt: skip
 
 
-def test_module_on_triton_matches_module_on_reference():
+def count_write_kv_launches(monkeypatch) -> list:
+    """Each call of the triton backend's write_kv appends 1 to the returned list."""
+    calls: list = []
+    write_kv = triton_backend.write_kv
+    monkeypatch.setattr(triton_backend, "write_kv", lambda *a: calls.append(1) or write_kv(*a))
+    return calls
+
+
+def test_module_on_triton_matches_module_on_reference(monkeypatch):
+    """Prefill, mixed and decode steps; the decode step's K/V are written by the attention
+    kernel (no write_kv launch), the others' by write_kv."""
+    writes = count_write_kv_launches(monkeypatch)
+
     def build(backend):
         return paged_ops.PagedAttention(
             num_layers=2,
@@ -503,16 +560,78 @@ def test_module_on_triton_matches_module_on_reference():
     tri, ref = build("triton"), build("reference")
     assert tri.layer_backends == ["triton", "triton"]
     g = torch.Generator().manual_seed(0)
-    for step in ({"a": 6, "b": 3}, {"a": 1, "b": 1, "c": 5}, {"a": 1, "c": 1}):
+    # (step, padded tokens, write_kv launches): a decode step padded to 12 tokens for 4
+    # sequences is prefill-like, and layer 0 (plain causal) takes the prefill kernel, which
+    # writes nothing itself
+    steps = [({"a": 6, "b": 3}, 12, 2), ({"a": 1, "b": 1, "c": 5}, 12, 2),
+             ({"a": 1, "c": 1}, 4, 0), ({"b": 1, "c": 1}, 12, 1)]  # fmt: skip
+    for step, t, launches in steps:
         for pa in (tri, ref):
-            pa.prepare(step, num_tokens=12, num_seqs=4)
-        t = 12
+            pa.prepare(step, num_tokens=t, num_seqs=4)
+        assert bool(tri.step_is_decode) == (max(step.values()) == 1)
+        writes.clear()
         for layer in range(2):
             q = torch.randn(t, 4, 16, generator=g)
             k, v = torch.randn(t, 2, 16, generator=g), torch.randn(t, 2, 16, generator=g)
             real = sum(step.values())
             torch.testing.assert_close(tri(layer, q, k, v)[:real], ref(layer, q, k, v)[:real])
-    torch.testing.assert_close(tri.kv_cache.data, ref.kv_cache.data)
+        assert len(writes) == launches, step
+        torch.testing.assert_close(tri.kv_cache.data, ref.kv_cache.data)
+
+
+def test_compiled_module_writes_decode_kv_in_the_attention_kernel_without_recompiling(
+    monkeypatch,
+):
+    """One compiled forward (Inductor) for prefill, decode and mixed steps: the step's kind
+    reaches the op as a CPU tensor (no guard, no recompile); decode steps launch no write_kv, and
+    the cache is written in place (Inductor's code copies no cache) and equals the reference's."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    writes = count_write_kv_launches(monkeypatch)
+    common = dict(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                  num_blocks=16, max_num_seqs=4, max_model_len=32)  # fmt: skip
+    tri = paged_ops.PagedAttention(backend="triton", **common)
+    ref = paged_ops.PagedAttention(backend="reference", **common)
+    compiled = torch.compile(lambda q, k, v: tri(0, q, k, v) * 2, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(1)
+    steps = [({"a": 5, "b": 3}, 2), ({"a": 1, "b": 1}, 0), ({"a": 1, "b": 1, "c": 2}, 2)]
+    codes: list[str] = []
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
+        for step, launches in steps:
+            for pa in (tri, ref):
+                pa.prepare(step, num_tokens=8, num_seqs=4)
+            q = torch.randn(8, 4, 16, generator=g)
+            k, v = torch.randn(8, 2, 16, generator=g), torch.randn(8, 2, 16, generator=g)
+            writes.clear()
+            got, code = run_and_get_code(compiled, q, k, v)
+            codes += code
+            real = sum(step.values())
+            torch.testing.assert_close(got[:real], 2 * ref(0, q, k, v)[:real])
+            assert len(writes) == launches // 2, step
+            torch.testing.assert_close(tri.kv_cache.data, ref.kv_cache.data)
+    assert codes and all("write_kv_and_attend" in c for c in codes)
+    assert not any(".copy_(" in c or "clone" in c for c in codes), codes[0]
+
+
+def test_with_autograd_recording_the_layer_takes_write_kv_then_attention():
+    """A decode step with grad enabled and a query that requires grad: write_kv + attention
+    (whose output's backward raises), never write_kv_and_attend, which refuses to record."""
+    pa = paged_ops.PagedAttention(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                  block_size=4, num_blocks=8, max_model_len=16,
+                                  backend="triton")  # fmt: skip
+    md = pa.prepare({"a": 1, "b": 1})
+    q = torch.randn(2, 4, 16, requires_grad=True)
+    k, v = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    out = pa(0, q, k, v)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        out.sum().backward()
+    with pytest.raises(RuntimeError, match="write_kv_and_attend is inference-only"):
+        torch.ops.paged_ops.write_kv_and_attend.default(
+            q, k, v, pa.kv_cache.layers[0], torch.empty(2, 4, 16), md.slot_mapping,
+            md.cu_seqlens_q, md.seq_lens, md.block_table, pa.step_is_decode, 0.25, True, 0,
+            0.0, None, None, None, None, "triton", -1,
+        )  # fmt: skip
 
 
 # Launch paths for the left-padded batch (T = 70, S = 9: the default launch takes 64-row M tiles of

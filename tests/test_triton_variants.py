@@ -15,7 +15,7 @@ import torch
 
 from paged_ops.backends import LayerSpec
 from paged_ops.backends import triton as triton_backend
-from paged_ops.backends.triton_variants import reachable_configs
+from paged_ops.backends.triton_variants import reachable_configs, step_variant
 from paged_ops.engine.runner import warm_up_shapes
 
 
@@ -45,15 +45,18 @@ GEOMETRIES = [  # (q heads, kv heads, head size, FP8 cache, plain causal)
 def test_probes_find_exactly_the_configurations_of_every_step(
     geometry, max_num_seqs, max_num_tokens, num_sms, max_kv_len
 ):
+    """Variants: each launch configuration, and whether the kernel writes a decode step's K/V
+    (as if every layer did: the FP8 layers do not, which only merges variants)."""
     q_heads, kv_heads, head_dim, fp8, causal = geometry
-    config_of = triton_backend.layer_launch_config(
+    launch_config_of = triton_backend.layer_launch_config(
         LayerSpec(head_dim=head_dim, num_q_heads=q_heads, num_kv_heads=kv_heads,
                   dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn if fp8 else None,
                   sliding_window=None if causal else 128),
         max_kv_len, num_sms,
     )  # fmt: skip
+    config_of = step_variant(launch_config_of, writes_decode_kv=True)
     everything = brute_force(config_of, max_num_seqs, max_num_tokens)
-    probed = reachable_configs(config_of, max_num_seqs, max_num_tokens, num_sms)
+    probed = reachable_configs(launch_config_of, max_num_seqs, max_num_tokens, num_sms, True)
     assert set(probed) == set(everything)
     for cfg, (t, s) in probed.items():  # each with a step of the domain that picks it
         assert min(2, max_num_seqs) <= s <= max_num_seqs and s <= t <= max_num_tokens
@@ -73,7 +76,8 @@ def test_layer_launch_config_is_what_paged_attention_would_pick():
 
 def test_the_warm_up_meets_every_configuration_its_steps_can_pick(monkeypatch):
     """Group 7 with 16 sequences: the fixed warm-up list misses the 32-token, 16-sequence step's
-    KV split; the runner adds a step for it (and for anything else missed)."""
+    KV split; the runner adds a step for it (and for anything else missed), with the variants
+    whose kernel writes a decode step's K/V among them."""
     pytest.importorskip("transformers")
     from hf_models import build_model
 
@@ -87,12 +91,14 @@ def test_the_warm_up_meets_every_configuration_its_steps_can_pick(monkeypatch):
     runner = llm.runner
     monkeypatch.setattr(runner, "device", torch.device("cuda"))  # the GPU's list (nothing runs)
     monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(llm.pa, "attention_writes_decode_kv", lambda layer: True)  # as triton's
     shapes = runner._warm_up_shapes()
     base = warm_up_shapes(16, 128, on_gpu=True)
     assert shapes[: len(base)] == base
     (spec,) = set(llm.pa.layer_specs)
-    config_of = triton_backend.layer_launch_config(spec, 4096, 132)
-    reachable = reachable_configs(config_of, 16, 128, 132)
+    launch_config_of = triton_backend.layer_launch_config(spec, 4096, 132)
+    config_of = step_variant(launch_config_of, True)
+    reachable = reachable_configs(launch_config_of, 16, 128, 132, True)
     met_by_base = {config_of(t, s) for t, s in base}
     assert set(reachable) - met_by_base, "the fixed list meets everything: pick a harder geometry"
     assert set(reachable) <= {config_of(t, s) for t, s in shapes}

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from paged_ops.backends import triton as triton_backend
+from paged_ops.backends.triton_variants import step_variant
 from paged_ops.engine import variant_prebuild
 from paged_ops.engine.runner import warm_up_shapes
 from paged_ops.module import LayerConfig, PagedAttention
@@ -45,16 +46,23 @@ def test_one_call_per_variant_and_every_call_accepted(kv_cache_dtype, monkeypatc
     steps = warm_up_shapes(4, 64, on_gpu=True) + [(1, 1), (2, 2), (4, 4)]
     work = variant_prebuild._steps_per_variant(pa, steps)
     max_kv_len = pa.builder.max_blocks_per_seq * pa.block_size
+    variant_of = [
+        step_variant(triton_backend.layer_launch_config(spec, max_kv_len, 132),
+                     pa.attention_writes_decode_kv(layer))
+        for layer, spec in enumerate(pa.layer_specs)
+    ]  # fmt: skip
     want = set()
-    for spec in pa.layer_specs:
-        config_of = triton_backend.layer_launch_config(spec, max_kv_len, 132)
-        want |= {(spec, config_of(*step)) for step in steps}
-    got = [(pa.layer_specs[layer], triton_backend.layer_launch_config(
-        pa.layer_specs[layer], max_kv_len, 132)(*step)) for layer, step in work]  # fmt: skip
+    for layer, spec in enumerate(pa.layer_specs):
+        want |= {(spec, variant_of[layer](*step)) for step in steps}
+    got = [(pa.layer_specs[layer], variant_of[layer](*step)) for layer, step in work]
     assert len(got) == len(set(got)) and set(got) == want  # each variant once, none missed
     assert {layer for layer, _ in work} == {0, 1}
-    assert len({cfg.num_segments for _, cfg in got}) > 1  # split-KV with its reduce kernel too
+    assert len({cfg.num_segments for _, (cfg, _) in got}) > 1  # split-KV and its reduce too
+    # a 16-bit cache's decode steps: the kernel writes their K/V (and an FP8 cache's never)
+    assert {writes for _, (_, writes) in got} == ({False} if kv_cache_dtype else {False, True})
+    before = pa.kv_cache.data.clone()
     assert variant_prebuild._call_each(pa, work) == len(work)
+    assert torch.equal(pa.kv_cache.data.view(torch.uint8), before.view(torch.uint8))  # untouched
 
 
 @interpreter

@@ -8,6 +8,10 @@ A backend is a module under ``paged_ops.backends`` that exposes
 - ``write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale) -> None``
 - ``paged_attention(query, kv_cache, cu_seqlens_q, seq_lens, block_table, *, scale, causal,
   window, softcap, sinks, alibi_slopes, k_scale, v_scale, plan_handle) -> Tensor``
+- optionally ``write_kv_and_attend(query, key, value, kv_cache, slot_mapping, cu_seqlens_q,
+  seq_lens, block_table, *, out, decode_step, **paged_attention's keywords) -> None``: both, the
+  output into ``out``, in one launch where ``decode_step`` (at most one query token per
+  sequence); a PagedAttention layer on such a backend calls ``paged_ops::write_kv_and_attend``
 
 An FP8 cache (``float8_e4m3fn``/``float8_e5m2``) comes with float32 ``k_scale``/``v_scale`` of shape
 ``[]`` or ``[Hkv]`` (or ``None`` = 1.0); :mod:`paged_ops.fp8` defines the quantization.

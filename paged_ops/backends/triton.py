@@ -23,6 +23,7 @@ import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -336,19 +337,22 @@ def paged_attention(
     new_key: torch.Tensor | None = None,  # [T, Hkv, D]
     new_value: torch.Tensor | None = None,  # [T, Hkv, D]
     slot_mapping: torch.Tensor | None = None,  # [T] int64, -1 = none
+    out: torch.Tensor | None = None,  # [T, Hq, D], query's dtype
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Paged attention with the op contract's semantics.
+    """Paged attention with the op contract's semantics, into ``out`` if given.
 
     ``num_segments`` forces split-KV and ``config`` every launch choice (tests and tile sweeps);
     by default :func:`launch_config` picks them from shapes. ``new_key``/``new_value``/
-    ``slot_mapping`` (an experiment, benchmarks/NOTES.md section 23; not used by the op): a
-    decode step's K/V written by the attention kernel itself instead of a ``write_kv`` launch
-    before it. The caller guarantees one query token per sequence; 16/32-bit caches only.
+    ``slot_mapping``: a decode step's K/V, written into the cache before it is read. The caller
+    guarantees at most one query token per sequence; then the attention kernel writes them
+    itself (one launch fewer per layer, benchmarks/NOTES.md sections 23-24), except on an FP8
+    cache or with the prefill kernel, where :func:`write_kv` runs first.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
     if num_tokens == 0:
         return out
     fp8_cache = is_fp8(kv_cache.dtype)
@@ -403,15 +407,16 @@ def paged_attention(
             )
         cfg = dataclasses.replace(cfg, v_pairs=0)
     pairs_arg = kv_cache.view(torch.int16) if cfg.v_pairs else cache_arg
-    write_kv_here = new_key is not None
-    if write_kv_here and (
-        new_value is None or slot_mapping is None or fp8_cache or cfg.kernel != "unified"
-    ):
+    if (new_key is None) != (new_value is None) or (new_key is None) != (slot_mapping is None):
         raise ValueError(
-            "new_key needs new_value and slot_mapping, a 16/32-bit cache and the unified kernel; "
-            f"got new_value={new_value is not None}, slot_mapping={slot_mapping is not None}, "
-            f"cache {kv_cache.dtype}, kernel {cfg.kernel!r}"
+            "new_key, new_value and slot_mapping go together; got "
+            f"new_key={new_key is not None}, new_value={new_value is not None}, "
+            f"slot_mapping={slot_mapping is not None}"
         )
+    write_kv_here = new_key is not None and not fp8_cache and cfg.kernel == "unified"
+    if new_key is not None and not write_kv_here:  # the kernel cannot: the write kernel first
+        assert new_value is not None and slot_mapping is not None
+        write_kv(new_key, new_value, kv_cache, slot_mapping, k_scale, v_scale)
     new_k = new_key if write_kv_here else query
     new_v = new_value if write_kv_here else query
     write_args = (
@@ -559,3 +564,31 @@ def paged_attention(
             num_warps=4,
         )
     return out
+
+
+def write_kv_and_attend(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D], written
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    cu_seqlens_q: torch.Tensor,  # [S+1] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    block_table: torch.Tensor,  # [S, W] int32
+    *,
+    out: torch.Tensor,  # [T, Hq, D], written
+    decode_step: bool,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    **attention: Any,
+) -> None:
+    """:func:`write_kv` then :func:`paged_attention` into ``out``; in a decode step (at most one
+    query token per sequence: the caller's guarantee) one launch, the attention kernel storing
+    each token's K/V before reading it (``paged_attention``'s ``new_key``)."""
+    args = (cu_seqlens_q, seq_lens, block_table)
+    if decode_step:
+        paged_attention(query, kv_cache, *args, k_scale=k_scale, v_scale=v_scale, new_key=key,
+                        new_value=value, slot_mapping=slot_mapping, out=out, **attention)  # fmt: skip
+        return
+    write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    paged_attention(query, kv_cache, *args, k_scale=k_scale, v_scale=v_scale, out=out, **attention)

@@ -22,6 +22,11 @@ is then both heads' query heads (2 x the GQA group), K/V tiles are ``[TILE_N, 2 
 heads' rows, 128 contiguous bytes per position instead of 64), and each row's query is zero in the
 other head's half, so ``q @ k^T`` sums only its own head's products; ``p @ v`` yields both halves
 and each row keeps its own.
+
+With ``WRITE_KV`` (a decode step: one query token per sequence; 16/32-bit caches) the attention
+kernel also stores the step's K/V: the program whose KV tiles hold a sequence's new position writes
+that token's rows for its KV head before its loop reads them (then a CTA barrier), which spares the
+``write_kv_kernel`` launch before it; no other program reads that slot in the step.
 """
 
 import triton
@@ -163,6 +168,12 @@ PER_STEP_INTS = ("num_seqs", "num_tokens")
 
 
 @triton.jit
+def _slot_offset(slot, stride_cn, stride_cb, BLOCK_SIZE: tl.constexpr):
+    """Offset of cache slot ``slot`` (``block_id * BLOCK_SIZE + position``) in a layer's cache."""
+    return (slot // BLOCK_SIZE) * stride_cn + (slot % BLOCK_SIZE) * stride_cb
+
+
+@triton.jit
 def write_kv_kernel(
     key_ptr,  # [T, Hkv, D]
     value_ptr,  # [T, Hkv, D]
@@ -204,7 +215,7 @@ def write_kv_kernel(
     # (slot broadcast to a block first: the interpreter rejects a scalar & block mask)
     mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)
     mask = mask & (offs_d[None, :] * 0 + slot >= 0)
-    dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cn + (slot % BLOCK_SIZE) * stride_cb
+    dst = cache_ptr + _slot_offset(slot, stride_cn, stride_cb, BLOCK_SIZE)
     dst = dst + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
     k_src = key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd
     v_src = (
@@ -530,7 +541,7 @@ def paged_attention_kernel(
                 new_v_ptr + tok * stride_nvt + src_head * stride_nvh + cols * stride_nvd,
                 mask=keep,
             )
-            dst = kv_base + (slot // BLOCK_SIZE) * stride_cn + (slot % BLOCK_SIZE) * stride_cb
+            dst = kv_base + _slot_offset(slot, stride_cn, stride_cb, BLOCK_SIZE)
             tl.store(dst + col_off, k_row.to(cache_ptr.dtype.element_ty), mask=keep)
             tl.store(dst + stride_ckv + col_off, v_row.to(cache_ptr.dtype.element_ty), mask=keep)
             tl.debug_barrier()

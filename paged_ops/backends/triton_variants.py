@@ -16,6 +16,11 @@ against the brute force over whole domains in ``tests/test_triton_variants.py``)
   the SMs, so it only shrinks as ``T`` grows, and a step of ``S >= num_sms`` sequences never splits
   (its FP8 decode split, from ``max(S, ceil(T / block_q)) x heads``, still varies with both);
 * past those, a decode-like step's configuration depends on ``max(S, ceil(T / block_q))`` alone.
+
+A variant is also told apart by whether the attention kernel writes the step's K/V itself (a
+decode step of a layer whose decode steps do: :func:`step_variant`). Warm-up steps give each
+sequence ``T // S`` tokens, so that is the case for ``S <= T < 2 S`` only: within the
+decode-like range it changes at ``T = 2 S`` alone, which the probes below meet.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ def _probe_steps(
                     yield t, s
         else:  # decode-like: max(S, ceil(T / block_q)) alone; (S, S) gives the value S
             yield s, s
+            if 2 * s <= max_num_tokens:  # the same configuration, no longer a decode step
+                yield 2 * s, s
         if 2 * s + 1 > max_num_tokens:
             continue
         bq = config_of(2 * s + 1, s).block_q
@@ -70,14 +77,21 @@ def _probe_steps(
 
 
 def reachable_configs(
-    config_of: Callable[[int, int], Any], max_num_seqs: int, max_num_tokens: int, num_sms: int
-) -> dict[Any, Step]:
-    """Every configuration ``config_of(T, S)`` takes over the steps an engine can run
-    (``least <= S <= T``, ``S <= max_num_seqs``, ``T <= max_num_tokens``, ``least = min(2,
-    max_num_seqs)``: steps pad to two sequences unless only one fits), with a step that takes it.
+    config_of: Callable[[int, int], Any],
+    max_num_seqs: int,
+    max_num_tokens: int,
+    num_sms: int,
+    writes_decode_kv: bool = False,
+) -> dict[tuple[Any, bool], Step]:
+    """Every kernel variant (:func:`step_variant`: the configuration ``config_of(T, S)``, and
+    whether the kernel writes the K/V) over the steps an engine can run (``least <= S <= T``,
+    ``S <= max_num_seqs``, ``T <= max_num_tokens``, ``least = min(2, max_num_seqs)``: steps pad
+    to two sequences unless only one fits), with a step that takes it.
 
     ``config_of`` is ``launch_config`` for one layer kind (heads, head size, cache, causal) on a
-    GPU of ``num_sms`` SMs."""
+    GPU of ``num_sms`` SMs; ``writes_decode_kv`` whether that layer's decode steps write their
+    K/V inside the attention kernel."""
+    variant = step_variant(config_of, writes_decode_kv)
     seen: dict[Step, Any] = {}
 
     def cached(t: int, s: int) -> Any:  # (the probes meet many steps twice)
@@ -85,8 +99,24 @@ def reachable_configs(
             seen[t, s] = config_of(t, s)
         return seen[t, s]
 
-    found: dict[Any, Step] = {}
+    found: dict[tuple[Any, bool], Step] = {}
     for t, s in _probe_steps(cached, max_num_seqs, max_num_tokens, num_sms):
         if t >= max(s, 2):
-            found.setdefault(cached(t, s), (t, s))
+            found.setdefault(variant(t, s), (t, s))
     return found
+
+
+def step_variant(
+    config_of: Callable[[int, int], Any], writes_decode_kv: bool
+) -> Callable[[int, int], tuple[Any, bool]]:
+    """``(T, S) -> (configuration, writes K/V)``: the kernel variant of a warm-up step (``T // S``
+    new tokens per sequence: ``paged_ops.engine.runner.warm_up_slices``) on a layer whose decode
+    steps write their K/V inside the attention kernel when ``writes_decode_kv``
+    (``PagedAttention.attention_writes_decode_kv``; the unified kernel only)."""
+
+    def variant(num_tokens: int, num_seqs: int) -> tuple[Any, bool]:
+        cfg = config_of(num_tokens, num_seqs)
+        decode = num_tokens // num_seqs == 1
+        return cfg, writes_decode_kv and decode and cfg.kernel == "unified"
+
+    return variant

@@ -521,19 +521,24 @@ class ModelRunner:
         if not on_gpu:
             return shapes
         from paged_ops.backends import triton as triton_backend
-        from paged_ops.backends.triton_variants import reachable_configs
+        from paged_ops.backends.triton_variants import reachable_configs, step_variant
 
         met_steps = shapes + self._graph_steps()
         max_kv_len = self.pa.builder.max_blocks_per_seq * self.pa.block_size
         num_sms = triton_backend._num_sms(self.device)
         extra: list[tuple[int, int]] = []
-        for spec in dict.fromkeys(self.pa.layer_specs):  # each layer kind once
+        kinds = {
+            (spec, self.pa.attention_writes_decode_kv(layer)): None
+            for layer, spec in enumerate(self.pa.layer_specs)
+        }
+        for spec, writes_decode_kv in kinds:  # each layer kind once
             config_of = triton_backend.layer_launch_config(spec, max_kv_len, num_sms)
-            met = {config_of(t, s) for t, s in met_steps}
+            variant = step_variant(config_of, writes_decode_kv)
+            met = {variant(t, s) for t, s in met_steps}
             reachable = reachable_configs(
-                config_of, self.max_num_seqs, self.max_num_tokens, num_sms
+                config_of, self.max_num_seqs, self.max_num_tokens, num_sms, writes_decode_kv
             )
-            extra += [step for cfg, step in reachable.items() if cfg not in met]
+            extra += [step for key, step in reachable.items() if key not in met]
         return shapes + list(dict.fromkeys(extra))
 
     def _check_loaded_forward(self, block: int) -> None:

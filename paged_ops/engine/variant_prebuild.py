@@ -8,8 +8,8 @@ first time a step picks it (~0.5 s each on an H100 host); the warm-up's steps af
 single-threaded Python (Dynamo, AOTAutograd, Inductor).
 
 How: :func:`start` calls the backend's ``paged_attention`` once per distinct (layer kind, launch
-configuration), on the layer's own cache (read only: attention never writes it) and metadata
-from a builder of its own with the engine's sizes, so every argument that Triton specialises on
+configuration, K/V written by the kernel), on the layer's own cache (left as it was: a decode
+variant that writes the K/V is given slots -1) and metadata from a builder of its own with the engine's sizes, so every argument that Triton specialises on
 (dtypes, strides, the block table's width, the sequence and token counts, pointer alignment) is
 what the engine's step passes. During these calls Triton's ``jit_cache_hook`` records each new
 variant of a paged_ops kernel (Triton's own serialized specialization, the data of
@@ -62,9 +62,11 @@ def enabled() -> bool:
 
 
 def _steps_per_variant(pa: PagedAttention, steps: Sequence[Step]) -> list[tuple[int, Step]]:
-    """``(layer, step)`` for each distinct (layer kind, launch configuration) of ``steps`` on the
-    layers that the triton backend serves for some step kind."""
+    """``(layer, step)`` for each distinct (layer kind, kernel variant: launch configuration and
+    whether the kernel writes the K/V) of ``steps`` on the layers that the triton backend serves
+    for some step kind."""
     from paged_ops.backends import triton as triton_backend
+    from paged_ops.backends.triton_variants import step_variant
 
     table = pa.backend_table()
     max_kv_len = pa.builder.max_blocks_per_seq * pa.block_size
@@ -74,8 +76,9 @@ def _steps_per_variant(pa: PagedAttention, steps: Sequence[Step]) -> list[tuple[
         if not any(names[layer] == "triton" for names in table.values()):
             continue
         config_of = triton_backend.layer_launch_config(spec, max_kv_len, num_sms)
+        variant = step_variant(config_of, pa.attention_writes_decode_kv(layer))
         for step in steps:
-            key = (spec, config_of(*step))
+            key = (spec, variant(*step))
             if key not in seen:
                 seen.add(key)
                 out.append((layer, step))
@@ -102,12 +105,19 @@ def _call_each(pa: PagedAttention, work: list[tuple[int, Step]]) -> int:
     with torch.inference_mode():
         for layer, (tokens, seqs) in work:
             spec = pa.layer_specs[layer]
-            cache, k_scale, v_scale = pa.layer_inputs(layer)  # [N, 2, B, Hkv, D], read only
+            cache, k_scale, v_scale = pa.layer_inputs(layer)  # [N, 2, B, Hkv, D]
             slices = warm_up_slices(0, tokens, seqs, pa)  # as the warm-up's own steps
             md = builder.build(slices, num_tokens=tokens, num_seqs=seqs)
             query = torch.zeros(tokens, spec.num_q_heads, spec.head_dim, dtype=spec.dtype,
                                 device=device)  # [T, Hq, D]  # fmt: skip
             extra = torch.zeros(spec.num_q_heads, dtype=torch.float32, device=device)  # [Hq]
+            write: dict[str, torch.Tensor] = {}
+            if pa.attention_writes_decode_kv(layer) and md.is_decode:  # the kernel's K/V write
+                new_kv = torch.zeros(tokens, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
+                                     device=device)  # [T, Hkv, D]  # fmt: skip
+                # slots -1: nothing written even where the variant is built and launches
+                slots = torch.full_like(md.slot_mapping, -1)  # [T]
+                write = dict(new_key=new_kv, new_value=new_kv, slot_mapping=slots)
             try:
                 triton_backend.paged_attention(
                     query, cache, md.cu_seqlens_q, md.seq_lens, md.block_table,
@@ -115,7 +125,7 @@ def _call_each(pa: PagedAttention, work: list[tuple[int, Step]]) -> int:
                     window=int(spec.sliding_window or 0), softcap=float(spec.softcap or 0.0),
                     sinks=extra if spec.has_sinks else None,
                     alibi_slopes=extra if spec.has_alibi else None,
-                    k_scale=k_scale, v_scale=v_scale,
+                    k_scale=k_scale, v_scale=v_scale, **write,
                 )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - the step that meets it compiles it
                 logger.debug("variant prebuild: the call for %s at %s failed: %r",
