@@ -22,6 +22,7 @@ from paged_testing import (
     make_batch,
     make_left_padded_batch,
     rows_without_keys,
+    with_leading_padding,
     write_and_attend,
 )
 
@@ -351,8 +352,8 @@ def test_a_decode_step_written_by_the_attention_kernel_equals_write_kv_then_atte
     num_segments, kv_heads
 ):
     """``new_key``/``new_value``/``slot_mapping`` (benchmarks/NOTES.md sections 23-24) make the
-    decode program that owns each token's own KV tile store the token's K/V (then a CTA barrier)
-    instead of a ``write_kv`` launch before the attention. The cache and
+    decode program that owns each token's own KV tile take the token's K/V from registers and
+    store them after its loop, instead of a ``write_kv`` launch before the attention. The cache and
     the output equal write_kv then attention, for one and several segments (the owner is the
     segment whose tiles hold the position), one and two KV heads per program, a finished
     sequence (no query), padded tokens (slot -1: nothing written) and padded sequences."""
@@ -384,6 +385,33 @@ def test_a_decode_step_written_by_the_attention_kernel_equals_write_kv_then_atte
             one_launch.block_table, scale=1.0, causal=True, window=0, softcap=0.0, sinks=None,
             alibi_slopes=None, config=cfg, new_key=one_launch.new_key,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("num_segments", [1, 2])
+def test_a_decode_row_whose_query_is_padding_writes_nothing_and_reads_the_cache(num_segments):
+    """A left-padded Hugging Face batch's decode step: a row whose one query is padding (slot -1,
+    its KV length unchanged) must read the cache's row at its last position, not the step's
+    (random) key, and write nothing: as write_kv then attention."""
+    seqs = [(9, 1), (7, 0), (21, 1)]
+    kwargs = dict(num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=4, pad_tokens=1,
+                  seed=5)  # fmt: skip
+    cfg = triton_backend.LaunchConfig(16, 4, 16, num_segments, 4, 2, heads_fastest=1)
+
+    def batch():
+        return with_leading_padding(make_batch(seqs, **kwargs), [0, 1, 0])
+
+    two_launches, one_launch = batch(), batch()
+    assert one_launch.slot_mapping.tolist()[:3] == [two_launches.slot_mapping[0].item(), -1,
+                                                    two_launches.slot_mapping[2].item()]  # fmt: skip
+    expected = run_triton(two_launches, config=cfg)
+    got = triton_backend.paged_attention(
+        one_launch.query, one_launch.kv_cache, one_launch.cu_seqlens_q, one_launch.seq_lens,
+        one_launch.block_table, scale=32**-0.5, causal=True, window=0, softcap=0.0, sinks=None,
+        alibi_slopes=None, config=cfg, new_key=one_launch.new_key,
+        new_value=one_launch.new_value, slot_mapping=one_launch.slot_mapping,
+    )  # fmt: skip
+    assert torch.equal(one_launch.kv_cache, two_launches.kv_cache)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", ["prefill_kernel", "fp8_cache"])
