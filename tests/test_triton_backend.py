@@ -352,8 +352,8 @@ def test_a_decode_step_written_by_the_attention_kernel_equals_write_kv_then_atte
     num_segments, kv_heads
 ):
     """``new_key``/``new_value``/``slot_mapping`` (benchmarks/NOTES.md sections 23-24) make the
-    decode program that owns each token's own KV tile take the token's K/V from registers and
-    store them after its loop, instead of a ``write_kv`` launch before the attention. The cache and
+    decode program that owns each token's own KV tile store the token's K/V (then a CTA barrier)
+    instead of a ``write_kv`` launch before the attention. The cache and
     the output equal write_kv then attention, for one and several segments (the owner is the
     segment whose tiles hold the position), one and two KV heads per program, a finished
     sequence (no query), padded tokens (slot -1: nothing written) and padded sequences."""

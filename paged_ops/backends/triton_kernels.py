@@ -24,10 +24,9 @@ other head's half, so ``q @ k^T`` sums only its own head's products; ``p @ v`` y
 and each row keeps its own.
 
 With ``WRITE_KV`` (a decode step: one query token per sequence; 16/32-bit caches) the attention
-kernel also stores the step's K/V: the program whose KV tiles hold a sequence's new position reads
-that token's K/V rows from the step's keys and values (its loop substitutes them for the cache's
-row in registers) and stores them after the loop, which spares the ``write_kv_kernel`` launch
-before it; no other program reads that slot in the step.
+kernel also stores the step's K/V: the program whose KV tiles hold a sequence's new position writes
+that token's rows for its KV head before its loop reads them (then a CTA barrier), which spares the
+``write_kv_kernel`` launch before it; no other program reads that slot in the step.
 """
 
 import triton
@@ -521,31 +520,31 @@ def paged_attention_kernel(
     kv_base = cache_ptr + kv_head * stride_ch
     if WRITE_KV:
         # A decode step (the caller guarantees one query token per sequence): the program whose
-        # KV range holds the token's own position takes that position's K/V from this step's
-        # keys and values (its loop replaces the cache's stale row in registers) and stores them
-        # after the loop, off the loop's critical path. No other program of the step reads that
-        # slot. A padded query token (slot -1) replaces and writes nothing.
+        # KV range holds the token's own position stores its K/V rows (this program's KV heads)
+        # before reading that tile; a CTA barrier makes the stores visible to every thread. No
+        # other program of the step reads that slot.
         tl.static_assert(not FP8_CACHE, "WRITE_KV: bf16/fp16/fp32 caches only")
         own_tile = (kv_len - 1) // TILE_N
-        owner = (q_len > 0) & (own_tile >= tile_lo) & (own_tile < tile_hi)
-        tok = tl.where(owner, q_start, 0).to(tl.int64)  # (in bounds for every program)
-        slot = tl.where(owner, tl.load(slot_ptr + tok).to(tl.int64), -1)
-        if KV_HEADS == 1:  # noqa: SIM108 (col_head exists only with KV_HEADS > 1)
-            src_head = kv_head + cols * 0
-        else:
-            src_head = kv_head + col_head
-        keep = col_mask & (cols * 0 + slot >= 0)
-        k_new = tl.load(
-            new_k_ptr + tok * stride_nkt + src_head * stride_nkh + cols * stride_nkd,
-            mask=keep,
-            other=0.0,
-        ).to(cache_ptr.dtype.element_ty)  # [KV_HEADS * D_PAD], as the cache would hold it
-        v_new = tl.load(
-            new_v_ptr + tok * stride_nvt + src_head * stride_nvh + cols * stride_nvd,
-            mask=keep,
-            other=0.0,
-        ).to(cache_ptr.dtype.element_ty)
-        new_pos = tl.where(slot >= 0, kv_len - 1, -1)  # -1: no position is replaced
+        if (q_len > 0) & (own_tile >= tile_lo) & (own_tile < tile_hi):
+            tok = q_start.to(tl.int64)
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            if KV_HEADS == 1:  # noqa: SIM108 (col_head exists only with KV_HEADS > 1)
+                src_head = kv_head + cols * 0
+            else:
+                src_head = kv_head + col_head
+            keep = col_mask & (cols * 0 + slot >= 0)
+            k_row = tl.load(
+                new_k_ptr + tok * stride_nkt + src_head * stride_nkh + cols * stride_nkd,
+                mask=keep,
+            )  # [KV_HEADS * D_PAD]
+            v_row = tl.load(
+                new_v_ptr + tok * stride_nvt + src_head * stride_nvh + cols * stride_nvd,
+                mask=keep,
+            )
+            dst = kv_base + _slot_offset(slot, stride_cn, stride_cb, BLOCK_SIZE)
+            tl.store(dst + col_off, k_row.to(cache_ptr.dtype.element_ty), mask=keep)
+            tl.store(dst + stride_ckv + col_off, v_row.to(cache_ptr.dtype.element_ty), mask=keep)
+            tl.debug_barrier()
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] KV positions
         n_valid = offs_n < kv_len
@@ -587,10 +586,6 @@ def paged_attention_kernel(
                 mask=kv_mask,
                 other=0.0,
             )  # [TILE_N, D_PAD]
-            if WRITE_KV:  # this step's own position: its K/V from registers
-                is_new = (offs_n == new_pos)[:, None]  # [TILE_N, 1]
-                k = tl.where(is_new, k_new[None, :], k)
-                v = tl.where(is_new, v_new[None, :], v)
         s = _dot(q, tl.trans(k), IEEE_DOT)
         s = s * scale  # [BLOCK_M, TILE_N] fp32
         if USE_SOFTCAP:
@@ -617,10 +612,6 @@ def paged_attention_kernel(
 
     if V_PAIRS:  # columns 2c and 2c + 1 side by side: [BLOCK_M, KV_HEADS * D_PAD]
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, KV_HEADS * D_PAD])
-    if WRITE_KV:  # the step's K/V into the cache, after the loop that read them from registers
-        dst = kv_base + _slot_offset(tl.maximum(slot, 0), stride_cn, stride_cb, BLOCK_SIZE)
-        tl.store(dst + col_off, k_new, mask=keep)
-        tl.store(dst + stride_ckv + col_off, v_new, mask=keep)
 
     if USE_V_SCALE:
         if KV_HEADS == 1:
