@@ -81,24 +81,13 @@ def triton_linear(x, w, cfg):
     return part.sum(0).to(x.dtype)
 
 
-def time_calls(fn, weights, x, rounds_calls: int) -> float:
-    """us per call: one CUDA graph of ``rounds_calls`` calls cycling over ``weights``."""
-    for w in weights[:2]:
-        fn(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(rounds_calls):
-            fn(x, weights[i % len(weights)])
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * rounds_calls)
+def time_calls(fn, weights, x, calls: int) -> float:
+    """us per call: :func:`bench_triton.time_graph` over a CUDA graph of ``calls`` calls cycling
+    over ``weights`` (so that no weight stays in L2 between its calls)."""
+    from bench_triton import time_graph
+
+    cycle = itertools.cycle(weights)
+    return time_graph(lambda: fn(x, next(cycle)), calls, replays=5) * 1e6
 
 
 def main() -> None:
