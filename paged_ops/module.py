@@ -205,8 +205,8 @@ class PagedAttention(nn.Module):
         # KV writes go through the first layer's backend; every backend obeys one cache layout.
         self.write_backend = self.layer_backends[0]
         # Backends whose layers call paged_ops::write_kv_and_attend (a decode step's K/V written
-        # by the attention kernel): those with the function (triton). Not "by_step" groups:
-        # their other steps' backend (FlashInfer) would copy its output into the op's ``out``.
+        # by the attention kernel): those with the function (triton, and "by_step", which hands
+        # the step to its backend's).
         self.write_and_attend_backends = frozenset(
             name
             for name, _ in self.layer_routes + [(n, -1) for n in self.padding_backends]
@@ -428,7 +428,7 @@ class PagedAttention(nn.Module):
             query.requires_grad or key.requires_grad or value.requires_grad
         )
         if decode_step is not None and not recording:
-            out = torch.empty_like(query)  # [T, Hq, D]
+            out = query.new_empty(query.shape)  # [T, Hq, D], contiguous (FlashInfer's out=)
             torch.ops.paged_ops.write_kv_and_attend.default(
                 query, key, value, cache, out, md.slot_mapping, md.cu_seqlens_q, md.seq_lens,
                 md.block_table, decode_step, *consts, backend, handle,

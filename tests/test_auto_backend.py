@@ -263,6 +263,49 @@ def test_auto_runs_each_step_kind_on_its_backend_and_plans_only_what_runs(record
     assert handle >= 0
 
 
+def test_a_routed_group_writes_decode_kv_in_the_triton_kernel_and_prefills_into_out(
+    monkeypatch,
+):
+    """ "auto" with the real triton backend (interpreter) and a FlashInfer stand-in: the layers
+    call write_kv_and_attend through "by_step"; a decode step runs triton's one launch (no
+    write_kv), a prefill step FlashInfer's write and attention into the op's ``out``, a mixed step
+    triton's write_kv then attention; outputs and cache equal the reference backend's."""
+    from paged_ops.backends import triton as triton_backend
+
+    calls: list = []
+    module = _recording_backend("flashinfer", calls, planned=True)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(backends._BACKEND_MODULES, "flashinfer", module.__name__)
+    policy = AutoPolicy(MappingProxyType(PREFILL_ON_FLASHINFER), 1000.0, "test")
+    monkeypatch.setattr(by_step, "auto_policy", lambda spec, device, num_layers: policy)
+    writes: list = []
+    write_kv = triton_backend.write_kv
+    monkeypatch.setattr(triton_backend, "write_kv", lambda *a: writes.append(1) or write_kv(*a))
+    auto, ref = small_pa(), small_pa("reference")
+    assert {name for name, _ in auto.layer_routes} == {"by_step"}
+    g = torch.Generator().manual_seed(4)
+    steps = [
+        ([SequenceSlice([0, 1], 0, 6), SequenceSlice([2, 3], 0, 5)], "flashinfer", 0),
+        ([SequenceSlice([0, 1], 6, 1), SequenceSlice([2, 3], 5, 1)], None, 0),
+        ([SequenceSlice([0, 1, 4], 7, 3), SequenceSlice([2, 3], 6, 1)], None, 2),
+    ]
+    for slices, recorded_name, launches in steps:
+        calls.clear()
+        writes.clear()
+        for pa in (auto, ref):
+            md = pa.prepare_slices(slices)
+        real = sum(s.num_new_tokens for s in slices)
+        for layer in range(2):
+            q = torch.randn(md.padded_num_tokens, 4, 16, generator=g)
+            k = torch.randn(md.padded_num_tokens, 2, 16, generator=g)
+            v = torch.randn(md.padded_num_tokens, 2, 16, generator=g)
+            torch.testing.assert_close(auto(layer, q, k, v)[:real], ref(layer, q, k, v)[:real])
+        ran = [name for name, _ in calls if name != "plan"]
+        assert ran == ([recorded_name] * 2 if recorded_name else []), slices
+        assert len(writes) == launches, slices
+        torch.testing.assert_close(auto.kv_cache.data, ref.kv_cache.data)
+
+
 def test_explicit_backend_serves_every_step_kind(recorded):
     pa = small_pa("flashinfer")
     assert pa.backend_table() == {kind: ["flashinfer"] * 2 for kind in PREFILL_ON_FLASHINFER}

@@ -347,6 +347,7 @@ def run_layer(
     cache: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return fi_backend.paged_attention(
         q,
@@ -363,7 +364,15 @@ def run_layer(
         k_scale=k_scale,
         v_scale=v_scale,
         plan_handle=planner.handle,
+        out=out,
     )
+
+
+def assert_written_into(planner, md, cfg: LayerConfig, q: torch.Tensor, expected: torch.Tensor):
+    """``out=`` (write_kv_and_attend's): the same values, written into the given tensor."""
+    given = torch.full_like(q, float("nan"))
+    assert run_layer(planner, md, cfg, q, out=given) is given
+    assert torch.equal(given, expected)
 
 
 def test_prefill_plan_is_causal_windowed_and_zeroes_padded_tokens(fake_flashinfer, monkeypatch):
@@ -381,6 +390,7 @@ def test_prefill_plan_is_causal_windowed_and_zeroes_padded_tokens(fake_flashinfe
     q = torch.randn(10, 8, 64)
     out = run_layer(planner, md, cfg, q)
     assert torch.equal(out[:6], q[:6] + 1) and not out[6:].any()
+    assert_written_into(planner, md, cfg, q, out)
     monkeypatch.setattr("paged_ops.backends.flashinfer_planner.capturing", lambda: True)
     with pytest.raises(RuntimeError, match="cannot be captured"):
         run_layer(planner, md, cfg, q)
@@ -404,6 +414,7 @@ def test_decode_plans_use_one_graph_wrapper_per_bucket_replanned_in_place(fake_f
         q = torch.randn(4, 8, 64)
         out, real = run_layer(planner, md, cfg, q), len(lens)
         assert torch.equal(out[:real], q[:real] + 1) and not out[real:].any()
+        assert_written_into(planner, md, cfg, q, out)
     assert wrappers[0] is wrappers[1] is wrappers[2]
     init = wrappers[0].init_kwargs
     assert init["use_cuda_graph"] is True and init["use_tensor_cores"] is True  # group 4

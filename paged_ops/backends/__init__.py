@@ -7,7 +7,8 @@ A backend is a module under ``paged_ops.backends`` that exposes
   serve a layer with these parameters on that device, else a sentence saying why not.
 - ``write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale) -> None``
 - ``paged_attention(query, kv_cache, cu_seqlens_q, seq_lens, block_table, *, scale, causal,
-  window, softcap, sinks, alibi_slopes, k_scale, v_scale, plan_handle) -> Tensor``
+  window, softcap, sinks, alibi_slopes, k_scale, v_scale, plan_handle, out=None) -> Tensor``
+  (``out``: a contiguous ``[T, Hq, D]`` tensor to write and return instead of a new one)
 - optionally ``write_kv_and_attend(query, key, value, kv_cache, slot_mapping, cu_seqlens_q,
   seq_lens, block_table, *, out, decode_step, **paged_attention's keywords) -> None``: both, the
   output into ``out``, in one launch where ``decode_step`` (at most one query token per

@@ -236,3 +236,36 @@ def paged_attention(
     return get_backend(name).paged_attention(
         query, kv_cache, cu_seqlens_q, seq_lens, block_table, plan_handle=handle, **kwargs
     )
+
+
+def write_kv_and_attend(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D], written
+    slot_mapping: torch.Tensor,  # [T] int64
+    cu_seqlens_q: torch.Tensor,  # [S+1] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    block_table: torch.Tensor,  # [S, max_blocks] int32
+    *,
+    out: torch.Tensor,  # [T, Hq, D], written
+    decode_step: bool,
+    plan_handle: int,
+    **kwargs: Any,
+) -> None:
+    """The step's write and attention on the backend the router under ``plan_handle`` holds for
+    it: its own ``write_kv_and_attend`` where it has one (triton: one launch in a decode step),
+    else its ``write_kv`` then its ``paged_attention`` into ``out``."""
+    router: StepRouter = get_plan_state(plan_handle)
+    name, handle = router.current
+    backend = get_backend(name)
+    args = (cu_seqlens_q, seq_lens, block_table)
+    fused = getattr(backend, "write_kv_and_attend", None)
+    if fused is not None:
+        fused(query, key, value, kv_cache, slot_mapping, *args, out=out, decode_step=decode_step,
+              plan_handle=handle, **kwargs)  # fmt: skip
+        return
+    backend.write_kv(
+        key, value, kv_cache, slot_mapping, kwargs.get("k_scale"), kwargs.get("v_scale")
+    )
+    backend.paged_attention(query, kv_cache, *args, plan_handle=handle, out=out, **kwargs)

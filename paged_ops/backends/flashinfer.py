@@ -143,6 +143,7 @@ def _run_unplanned(
     causal: bool,
     window: int,
     softcap: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if capturing():
         raise RuntimeError(
@@ -175,7 +176,7 @@ def _run_unplanned(
     real = int(nonempty[-1]) + 1 if len(nonempty) else 0
     shape = host.StepShape("prefill" if real else "empty", real, int(host_cu[real]))
     planner.plan_host(shape, host_cu, host_lens, block_table.cpu())
-    return planner.run(query, kv_cache, seq_lens)
+    return planner.run(query, kv_cache, seq_lens, out=out)
 
 
 def paged_attention(
@@ -194,6 +195,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,  # [] or [Hkv] float32 (FP8 cache)
     v_scale: torch.Tensor | None = None,
     plan_handle: int = -1,
+    out: torch.Tensor | None = None,  # [T, Hq, D] contiguous: written and returned when given
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention through the wrapper planned under ``plan_handle`` (or an eager plan if -1).
 
@@ -209,9 +211,10 @@ def paged_attention(
     constants = dict(scale=scale, causal=causal, window=window, softcap=softcap)
     num_kv_heads = kv_cache.shape[3]
     scaled_query = fold_k_scale(query, k_scale, num_kv_heads)  # query itself when None
+    given = out
     if plan_handle < 0:
         out = _run_unplanned(
-            scaled_query, kv_cache, cu_seqlens_q, seq_lens, block_table, **constants
+            scaled_query, kv_cache, cu_seqlens_q, seq_lens, block_table, **constants, out=given
         )
     else:
         planner: FlashInferPlanner = get_plan_state(plan_handle)
@@ -226,8 +229,8 @@ def paged_attention(
                 f"FlashInfer plan {plan_handle} was made for {planned}, the layer asks for "
                 f"{constants}"
             )
-        out = planner.run(scaled_query, kv_cache, seq_lens)
+        out = planner.run(scaled_query, kv_cache, seq_lens, out=given)
     apply_v_scale_(out, v_scale, num_kv_heads)  # padded rows stay zero
-    if not query.is_contiguous():  # match the fake kernel's empty_like(query) strides
+    if given is None and not query.is_contiguous():  # the fake kernel's empty_like(query) strides
         out = torch.empty_like(query).copy_(out)
     return out

@@ -256,6 +256,7 @@ class FlashInferPlanner:
         query: torch.Tensor,  # [T, Hq, D]
         kv_cache: torch.Tensor,  # [N, 2, B, Hkv, D]
         seq_lens: torch.Tensor,  # [S] int32, the op's metadata (read on the device only)
+        out: torch.Tensor | None = None,  # [T, Hq, D] contiguous: written and returned if given
     ) -> torch.Tensor:  # [T, Hq, D], padded rows zero
         """Run the planned wrapper; only decode plans may be captured in a CUDA graph.
 
@@ -272,7 +273,7 @@ class FlashInferPlanner:
                 "only decode-only steps (planned with their padded bucket) can"
             )
         if shape.kind == "empty":
-            return torch.zeros_like(query)
+            return torch.zeros_like(query) if out is None else out.zero_()
         if query.stride(-1) != 1:
             query = query.contiguous()
         if shape.kind == "decode":
@@ -287,20 +288,24 @@ class FlashInferPlanner:
                 if t >= s
                 else torch.cat([query, query.new_zeros(s - t, *query.shape[1:])])
             )
-            out = torch.empty((max(t, s), *query.shape[1:]), dtype=query.dtype, device=query.device)
-            self._wrapper.run(q, kv_cache, out=out[:s])  # one row per (padded) sequence
+            rows = (max(t, s), *query.shape[1:])
+            buf = out if out is not None and t >= s else query.new_empty(rows)
+            self._wrapper.run(q, kv_cache, out=buf[:s])  # one row per (padded) sequence
             # A padded sequence has no KV, and FlashInfer does not define its output: zero it on
             # the device (the graph replays with other sequences padded), like rows past S.
-            out[:s].masked_fill_((seq_lens == 0)[:, None, None], 0)
-            out[s:].zero_()
-            return out[:t]
+            buf[:s].masked_fill_((seq_lens == 0)[:, None, None], 0)
+            buf[s:].zero_()
+            if out is None:
+                return buf[:t]
+            return out if buf is out else out.copy_(buf[:t])
         n = shape.num_tokens
         if t < n:
             raise RuntimeError(
                 f"FlashInfer backend: planned {n} query tokens, the forward has {t}; call "
                 "prepare()/prepare_slices() for this step first"
             )
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
         self._wrapper.run(query[:n], kv_cache, out=out[:n])
         out[n:].zero_()  # padded query tokens: finite, unread
         return out

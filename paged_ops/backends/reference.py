@@ -59,11 +59,13 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,  # [] or [Hkv] float32 (FP8 cache)
     v_scale: torch.Tensor | None = None,
     plan_handle: int = -1,
+    out: torch.Tensor | None = None,  # [T, Hq, D]: written and returned when given
 ) -> torch.Tensor:  # [T, Hq, D]
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
-    out = torch.zeros_like(query)  # padded query tokens read zeros: finite, unread
+    # padded query tokens read zeros: finite, unread
+    out = torch.zeros_like(query) if out is None else out.zero_()
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for s, kv_len in enumerate(lens):
         q_start, q_end = starts[s], starts[s + 1]
