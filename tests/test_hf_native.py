@@ -27,10 +27,10 @@ from paged_ops import LLM, OutOfBlocksError, SamplingParams  # noqa: E402
 PROMPTS = make_prompts((5, 13, 9))
 
 
-def _pair(family: str = "llama", **patch):
+def _pair(family: str = "llama", backend: str = "reference", **patch):
     model = build_model(family)
     twin = copy.deepcopy(model)
-    pa = patch_model(model, backend="reference", max_model_len=64, **patch)
+    pa = patch_model(model, backend=backend, max_model_len=64, **patch)
     return model, pa, twin
 
 
@@ -61,9 +61,20 @@ def test_hf_compiled_generation_runs_our_ops_without_graph_breaks(family, paddin
     assert all_blocks_free(pa)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 @torch.no_grad()
-def test_a_compiled_decode_step_continues_on_the_device_then_the_host_catches_up() -> None:
-    model, pa, twin = _pair("llama")
+def test_a_compiled_decode_step_continues_on_the_device_then_the_host_catches_up(
+    backend, monkeypatch
+) -> None:
+    """Also on triton (interpreter): the steps computed on the device are decode steps, so their
+    K/V are written by the attention kernel (no write_kv launch in them)."""
+    writes: list = []
+    if backend == "triton":
+        from paged_ops.backends import triton as triton_backend
+
+        write_kv = triton_backend.write_kv
+        monkeypatch.setattr(triton_backend, "write_kv", lambda *a: writes.append(1) or write_kv(*a))
+    model, pa, twin = _pair("llama", backend)
     ids, mask = padded_batch(PROMPTS)
     cache = PagedCache(model, max_cache_len=ids.shape[1] + 4)
     ref = twin(ids, attention_mask=mask, use_cache=True)
@@ -73,7 +84,9 @@ def test_a_compiled_decode_step_continues_on_the_device_then_the_host_catches_up
     ref_cache, full_mask = ref.past_key_values, mask
     for _ in range(3):  # decode steps with no attention mask: computed inside the graph
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        writes.clear()
         out = compiled(nxt, position_ids=positions, past_key_values=cache)
+        assert writes == []
         full_mask = torch.cat([full_mask, torch.ones_like(nxt)], 1)
         ref = twin(nxt, attention_mask=full_mask, position_ids=positions, past_key_values=ref_cache)
         torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
