@@ -65,6 +65,44 @@ def test_a_second_process_loads_the_forward_without_tracing_it(tmp_path):
     assert len(list((tmp_path / "precompiled").glob("*.bin"))) == 1
 
 
+TRITON_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from paged_ops import LLM
+    from paged_ops.backends import triton as triton_backend
+    from test_precompile import SIZES, greedy, tiny_llama
+
+    writes_kv = []  # per attention launch: does the kernel write the step's K/V?
+    attend = triton_backend.paged_attention
+
+    def counted(*args, **kwargs):
+        writes_kv.append(kwargs.get("new_key") is not None)
+        return attend(*args, **kwargs)
+
+    triton_backend.paged_attention = counted
+    llm = LLM(tiny_llama(), compile=True, precompile=True, **{**SIZES, "backend": "triton"})
+    writes_kv.clear()  # (the warm-up's)
+    tokens = greedy(llm)
+    print(json.dumps(dict(tokens=tokens, status=llm.runner.precompiled_status,
+                          fused=sum(writes_kv), launches=len(writes_kv))))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_loaded_forward_reads_the_live_step_kind(tmp_path):
+    """The step kind reaches write_kv_and_attend as a tensor attribute of the PagedAttention: the
+    forward loaded in a new process reads the live one (decode steps written by the attention
+    kernel, prefill steps not), not a value saved with the file (triton, interpreter)."""
+    runs = fresh_starts(TRITON_CHILD, tmp_path)
+    assert [r["status"] for r in runs] == ["saved", "loaded"]
+    for run in runs:
+        assert 0 < run["fused"] < run["launches"], run  # decode steps fused, the prefill not
+    with LLM(tiny_llama(), compile=False, cache_dir=False, **SIZES) as eager:
+        assert greedy(eager) == runs[0]["tokens"] == runs[1]["tokens"]
+
+
 @pytest.mark.slow
 def test_a_bad_or_foreign_file_is_discarded_and_the_forward_compiled(tmp_path, caplog):
     """A corrupt file fails to load; a file saved for another model whose weights have the same
