@@ -48,38 +48,37 @@ def _write_kv_impl(
     get_backend(backend).write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
+# The attention ops' trailing schema arguments, in order: the layer's constants, then the backend
+# and its plan handle. The backends take them as keywords.
+_LAYER_ARGS = (
+    "scale",
+    "causal",
+    "window",
+    "softcap",
+    "sinks",
+    "alibi_slopes",
+    "k_scale",
+    "v_scale",
+)
+
+
+def _backend_and_keywords(layer: tuple) -> tuple[str, dict]:
+    """``(scale, ..., v_scale, backend, plan_handle)`` -> the backend's name and its keywords."""
+    *constants, backend, plan_handle = layer
+    return backend, dict(zip(_LAYER_ARGS, constants, strict=True), plan_handle=plan_handle)
+
+
 def _paged_attention_impl(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
-    scale: float,
-    causal: bool,
-    window: int,
-    softcap: float,
-    sinks: torch.Tensor | None,
-    alibi_slopes: torch.Tensor | None,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    backend: str,
-    plan_handle: int,
+    *layer: object,  # scale, causal, window, softcap, sinks, alibi_slopes, k/v_scale, backend, handle
 ) -> torch.Tensor:
+    backend, keywords = _backend_and_keywords(layer)
     return get_backend(backend).paged_attention(
-        query,
-        kv_cache,
-        cu_seqlens_q,
-        seq_lens,
-        block_table,
-        scale=scale,
-        causal=causal,
-        window=window,
-        softcap=softcap,
-        sinks=sinks,
-        alibi_slopes=alibi_slopes,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        plan_handle=plan_handle,
+        query, kv_cache, cu_seqlens_q, seq_lens, block_table, **keywords
     )
 
 
@@ -94,22 +93,12 @@ def _write_kv_and_attend_impl(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     decode_step: torch.Tensor,
-    scale: float,
-    causal: bool,
-    window: int,
-    softcap: float,
-    sinks: torch.Tensor | None,
-    alibi_slopes: torch.Tensor | None,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    backend: str,
-    plan_handle: int,
+    *layer: object,  # as _paged_attention_impl's
 ) -> None:
+    backend, keywords = _backend_and_keywords(layer)
     get_backend(backend).write_kv_and_attend(
         query, key, value, kv_cache, slot_mapping, cu_seqlens_q, seq_lens, block_table, out=out,
-        decode_step=bool(decode_step.item()), scale=scale, causal=causal, window=window,
-        softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, k_scale=k_scale,
-        v_scale=v_scale, plan_handle=plan_handle,
+        decode_step=bool(decode_step.item()), **keywords,
     )  # fmt: skip
 
 
