@@ -361,3 +361,14 @@ def quantized_batch(
         values=[roundtrip(v, v_scale) for v in batch.values],
         q_lens=batch.q_lens,
     )
+
+
+def count_write_kv_launches(monkeypatch) -> list:  # noqa: ANN001 (pytest's MonkeyPatch)
+    """Each call of the triton backend's ``write_kv`` (a write kernel launch) appends 1 to the
+    returned list, for the rest of the test."""
+    from paged_ops.backends import triton as triton_backend
+
+    calls: list = []
+    write_kv = triton_backend.write_kv
+    monkeypatch.setattr(triton_backend, "write_kv", lambda *a: calls.append(1) or write_kv(*a))
+    return calls

@@ -14,6 +14,7 @@ from types import MappingProxyType
 
 import pytest
 import torch
+from paged_testing import count_write_kv_launches
 from torch._dynamo.utils import counters
 
 import paged_ops.backends as backends
@@ -270,17 +271,13 @@ def test_a_routed_group_writes_decode_kv_in_the_triton_kernel_and_prefills_into_
     call write_kv_and_attend through "by_step"; a decode step runs triton's one launch (no
     write_kv), a prefill step FlashInfer's write and attention into the op's ``out``, a mixed step
     triton's write_kv then attention; outputs and cache equal the reference backend's."""
-    from paged_ops.backends import triton as triton_backend
-
     calls: list = []
     module = _recording_backend("flashinfer", calls, planned=True)
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setitem(backends._BACKEND_MODULES, "flashinfer", module.__name__)
     policy = AutoPolicy(MappingProxyType(PREFILL_ON_FLASHINFER), 1000.0, "test")
     monkeypatch.setattr(by_step, "auto_policy", lambda spec, device, num_layers: policy)
-    writes: list = []
-    write_kv = triton_backend.write_kv
-    monkeypatch.setattr(triton_backend, "write_kv", lambda *a: writes.append(1) or write_kv(*a))
+    writes = count_write_kv_launches(monkeypatch)
     auto, ref = small_pa(), small_pa("reference")
     assert {name for name, _ in auto.layer_routes} == {"by_step"}
     g = torch.Generator().manual_seed(4)

@@ -20,6 +20,7 @@ from paged_ops.integrations.transformers import (  # noqa: E402
     patch_model,
     unpatch_model,
 )
+from paged_testing import count_write_kv_launches  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from paged_ops import LLM, OutOfBlocksError, SamplingParams  # noqa: E402
@@ -68,12 +69,7 @@ def test_a_compiled_decode_step_continues_on_the_device_then_the_host_catches_up
 ) -> None:
     """Also on triton (interpreter): the steps computed on the device are decode steps, so their
     K/V are written by the attention kernel (no write_kv launch in them)."""
-    writes: list = []
-    if backend == "triton":
-        from paged_ops.backends import triton as triton_backend
-
-        write_kv = triton_backend.write_kv
-        monkeypatch.setattr(triton_backend, "write_kv", lambda *a: writes.append(1) or write_kv(*a))
+    writes = count_write_kv_launches(monkeypatch) if backend == "triton" else []
     model, pa, twin = _pair("llama", backend)
     ids, mask = padded_batch(PROMPTS)
     cache = PagedCache(model, max_cache_len=ids.shape[1] + 4)

@@ -18,6 +18,7 @@ from paged_testing import (
     PADDED_FEATURES,
     assert_matches_dense,
     assert_rows_zero,
+    count_write_kv_launches,
     dense_batch_f64,
     make_batch,
     make_left_padded_batch,
@@ -37,6 +38,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 MIXED = [(0, 7), (13, 1), (30, 5), (0, 1), (21, 1)]  # (context_len, q_len): prefill, decode, chunk
+
+
+def attend_writing_kv(batch, **launch):
+    """The triton attention over ``batch`` given its new K/V and slots (``new_key``...): the
+    kernel writes them (or the write kernel first where it cannot); ``launch``: ``config``."""
+    return triton_backend.paged_attention(
+        batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
+        scale=batch.query.shape[2] ** -0.5, causal=True, window=0, softcap=0.0, sinks=None,
+        alibi_slopes=None, new_key=batch.new_key, new_value=batch.new_value,
+        slot_mapping=batch.slot_mapping, **launch,
+    )  # fmt: skip
 
 
 def run_triton(batch, num_segments=None, **kwargs):
@@ -368,12 +380,7 @@ def test_a_decode_step_written_by_the_attention_kernel_equals_write_kv_then_atte
     expected = run_triton(two_launches, config=cfg)
     one_launch = make_batch(seqs, **kwargs)
     untouched = one_launch.kv_cache.clone()
-    got = triton_backend.paged_attention(
-        one_launch.query, one_launch.kv_cache, one_launch.cu_seqlens_q, one_launch.seq_lens,
-        one_launch.block_table, scale=32**-0.5, causal=True, window=0, softcap=0.0, sinks=None,
-        alibi_slopes=None, config=cfg, new_key=one_launch.new_key,
-        new_value=one_launch.new_value, slot_mapping=one_launch.slot_mapping,
-    )  # fmt: skip
+    got = attend_writing_kv(one_launch, config=cfg)
     assert torch.equal(one_launch.kv_cache, two_launches.kv_cache)
     assert not torch.equal(one_launch.kv_cache, untouched)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
@@ -404,12 +411,7 @@ def test_a_decode_row_whose_query_is_padding_writes_nothing_and_reads_the_cache(
     assert one_launch.slot_mapping.tolist()[:3] == [two_launches.slot_mapping[0].item(), -1,
                                                     two_launches.slot_mapping[2].item()]  # fmt: skip
     expected = run_triton(two_launches, config=cfg)
-    got = triton_backend.paged_attention(
-        one_launch.query, one_launch.kv_cache, one_launch.cu_seqlens_q, one_launch.seq_lens,
-        one_launch.block_table, scale=32**-0.5, causal=True, window=0, softcap=0.0, sinks=None,
-        alibi_slopes=None, config=cfg, new_key=one_launch.new_key,
-        new_value=one_launch.new_value, slot_mapping=one_launch.slot_mapping,
-    )  # fmt: skip
+    got = attend_writing_kv(one_launch, config=cfg)
     assert torch.equal(one_launch.kv_cache, two_launches.kv_cache)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
@@ -434,15 +436,8 @@ def test_a_decode_write_the_kernel_cannot_do_runs_the_write_kernel_first(case, m
 
     two_launches, one_call = batch(), batch()
     expected = run_triton(two_launches, **extra)
-    writes = []
-    write_kv = triton_backend.write_kv
-    monkeypatch.setattr(triton_backend, "write_kv", lambda *a: writes.append(1) or write_kv(*a))
-    got = triton_backend.paged_attention(
-        one_call.query, one_call.kv_cache, one_call.cu_seqlens_q, one_call.seq_lens,
-        one_call.block_table, scale=32**-0.5, causal=True, window=0, softcap=0.0, sinks=None,
-        alibi_slopes=None, new_key=one_call.new_key, new_value=one_call.new_value,
-        slot_mapping=one_call.slot_mapping, **extra,
-    )  # fmt: skip
+    writes = count_write_kv_launches(monkeypatch)
+    got = attend_writing_kv(one_call, **extra)
     assert writes == [1]
     assert torch.equal(one_call.kv_cache.view(torch.uint8), two_launches.kv_cache.view(torch.uint8))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -556,14 +551,6 @@ def test_opcheck_triton_ops():
              decode.seq_lens, decode.block_table, torch.tensor(decode_step), 0.25, True, 3, 4.0,
              torch.zeros(4), None, None, None, "triton", -1),
         )  # fmt: skip
-
-
-def count_write_kv_launches(monkeypatch) -> list:
-    """Each call of the triton backend's write_kv appends 1 to the returned list."""
-    calls: list = []
-    write_kv = triton_backend.write_kv
-    monkeypatch.setattr(triton_backend, "write_kv", lambda *a: calls.append(1) or write_kv(*a))
-    return calls
 
 
 def test_module_on_triton_matches_module_on_reference(monkeypatch):
