@@ -527,10 +527,10 @@ class ModelRunner:
         max_kv_len = self.pa.builder.max_blocks_per_seq * self.pa.block_size
         num_sms = triton_backend._num_sms(self.device)
         extra: list[tuple[int, int]] = []
-        kinds = {
-            (spec, self.pa.attention_writes_decode_kv(layer)): None
+        kinds = dict.fromkeys(
+            (spec, self.pa.attention_writes_decode_kv(layer))
             for layer, spec in enumerate(self.pa.layer_specs)
-        }
+        )
         for spec, writes_decode_kv in kinds:  # each layer kind once
             config_of = triton_backend.layer_launch_config(spec, max_kv_len, num_sms)
             variant = step_variant(config_of, writes_decode_kv)
