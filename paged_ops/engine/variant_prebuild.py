@@ -15,8 +15,8 @@ width, the sequence and token counts, pointer alignment) is what the engine's st
 these calls Triton's ``jit_cache_hook`` records each new variant of a paged_ops kernel (Triton's
 own serialized specialization, the data of ``JITFunction.preload``) and skips its compile, so
 nothing is built or launched here; a child process (:func:`main`) then compiles the recorded
-variants into Triton's on-disk cache (``TRITON_CACHE_DIR``, inherited), with a driver that only names the
-GPU's target: it needs no GPU of its own. The warm-up waits for the child after its first step;
+variants into Triton's on-disk cache (``TRITON_CACHE_DIR``, inherited), with a driver that only
+names the GPU's target: it needs no GPU of its own. The warm-up waits for the child after its first step;
 the steps then find every variant on disk (milliseconds each). A variant the child did not build
 (an error, a specialisation it did not foresee) compiles in the step that meets it, as without
 it.
