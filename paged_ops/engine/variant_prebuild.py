@@ -16,10 +16,10 @@ these calls Triton's ``jit_cache_hook`` records each new variant of a paged_ops 
 own serialized specialization, the data of ``JITFunction.preload``) and skips its compile, so
 nothing is built or launched here; a child process (:func:`main`) then compiles the recorded
 variants into Triton's on-disk cache (``TRITON_CACHE_DIR``, inherited), with a driver that only
-names the GPU's target: it needs no GPU of its own. The warm-up waits for the child after its first step;
-the steps then find every variant on disk (milliseconds each). A variant the child did not build
-(an error, a specialisation it did not foresee) compiles in the step that meets it, as without
-it.
+names the GPU's target: it needs no GPU of its own. The warm-up waits for the child after its
+first step; the steps then find every variant on disk (milliseconds each). A variant the child did
+not build (an error, a specialisation it did not foresee) compiles in the step that meets it, as
+without it.
 
 Why a process and not a thread: a thread compiling beside Dynamo and Inductor holds up their
 Python for most of its own compile time (the GIL, taken back after each of Triton's native
