@@ -106,7 +106,7 @@ def test_llm_points_the_caches_at_its_cache_dir_and_reports_its_warmup(clean_env
     llm = LLM(tiny_llama(), compile=False, cache_dir=tmp_path / "llm", **SIZES)
     assert llm.compile_caches["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "llm" / "inductor")
     times = llm.warmup_breakdown
-    assert times["num_shapes"] == 2 and times["num_graphs"] == 0  # CPU: two shapes, no graphs
+    assert times["num_shapes"] == 3 and times["num_graphs"] == 0  # CPU: three shapes, no graphs
     assert times["total_s"] == llm.warmup_s >= times["setup_s"] + times["compile_s"] > 0
     assert llm.runner.warmup_breakdown.items() <= times.items()
 

@@ -21,8 +21,8 @@ from paged_ops.engine.runner import warm_up_shapes
 
 def brute_force(config_of, max_num_seqs: int, max_num_tokens: int) -> dict:
     found = {}
-    for s in range(min(2, max_num_seqs), max_num_seqs + 1):
-        for t in range(max(s, 2), max_num_tokens + 1):
+    for s in range(1, max_num_seqs + 1):
+        for t in range(s, max_num_tokens + 1):
             found.setdefault(config_of(t, s), (t, s))
     return found
 
@@ -59,7 +59,7 @@ def test_probes_find_exactly_the_configurations_of_every_step(
     probed = reachable_configs(launch_config_of, max_num_seqs, max_num_tokens, num_sms, True)
     assert set(probed) == set(everything)
     for cfg, (t, s) in probed.items():  # each with a step of the domain that picks it
-        assert min(2, max_num_seqs) <= s <= max_num_seqs and s <= t <= max_num_tokens
+        assert 1 <= s <= max_num_seqs and s <= t <= max_num_tokens
         assert config_of(t, s) == cfg
 
 

@@ -47,13 +47,12 @@ def _probe_steps(
     config_of: Callable[[int, int], Any], max_num_seqs: int, max_num_tokens: int, num_sms: int
 ) -> Iterator[Step]:
     """Steps at which a new configuration can first appear (see the module docstring)."""
-    least = min(2, max_num_seqs)
-    for s in range(least, max_num_seqs + 1):
+    for s in range(1, max_num_seqs + 1):
         decode_hi = min(2 * s, max_num_tokens)
         if s <= num_sms:  # the KV split may depend on T: every boundary of the decode range
             if s <= decode_hi:
                 bq = config_of(s, s).block_q
-                for t in _boundaries(max(s, 2), decode_hi, bq):
+                for t in _boundaries(s, decode_hi, bq):
                     yield t, s
         else:  # decode-like: max(S, ceil(T / block_q)) alone; (S, S) gives the value S
             yield s, s
@@ -84,9 +83,8 @@ def reachable_configs(
     writes_decode_kv: bool = False,
 ) -> dict[tuple[Any, bool], Step]:
     """Every kernel variant (:func:`step_variant`: the configuration ``config_of(T, S)``, and
-    whether the kernel writes the K/V) over the steps an engine can run (``least <= S <= T``,
-    ``S <= max_num_seqs``, ``T <= max_num_tokens``, ``least = min(2, max_num_seqs)``: steps pad
-    to two sequences unless only one fits), with a step that takes it.
+    whether the kernel writes the K/V) over the steps an engine can run (``1 <= S <= T``,
+    ``S <= max_num_seqs``, ``T <= max_num_tokens``), with a step that takes it.
 
     ``config_of`` is ``launch_config`` for one layer kind (heads, head size, cache, causal) on a
     GPU of ``num_sms`` SMs; ``writes_decode_kv`` whether that layer's decode steps write their
@@ -101,7 +99,7 @@ def reachable_configs(
 
     found: dict[tuple[Any, bool], Step] = {}
     for t, s in _probe_steps(cached, max_num_seqs, max_num_tokens, num_sms):
-        if t >= max(s, 2):
+        if t >= s:
             found.setdefault(variant(t, s), (t, s))
     return found
 

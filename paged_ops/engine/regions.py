@@ -74,6 +74,28 @@ def own_code(function: Callable, bind_to: object | None = None) -> Callable:
     return own if bind_to is None else types.MethodType(own, bind_to)
 
 
+def _no_shape_guards(entries: list[Any]) -> list[bool]:
+    """Dynamo guard filter: keep every guard but the shape environment's."""
+    return [entry.guard_type != "SHAPE_ENV" for entry in entries]
+
+
+def compile_step_function(function: Callable, backend: str | Callable) -> Callable:
+    """``torch.compile(function, fullgraph=True)`` for a function the engine calls at every step's
+    sizes, without the guard on the trace's symbolic sizes.
+
+    The runner traces with sizes 0/1 unspecialised (``backed_size_oblivious``), so that a step of
+    one token and one sequence runs the graph traced at more; but a contiguity check inside torch
+    (C++ ``compute_contiguous``, reached from a ``reshape`` in AOTAutograd's second pass) still
+    adds the guard ``T != 1``, which would compile the whole model again for the batch-1 step.
+    The shape guards hold nothing else that the engine's steps can break (the token counts of the
+    inputs are equal, sizes are not negative): the engine calls with the sizes of its own
+    prepared step, as the precompiled forward (``engine/precompile.py``, no guards at all) does.
+    """
+    return torch.compile(
+        function, fullgraph=True, backend=backend, options={"guard_filter_fn": _no_shape_guards}
+    )
+
+
 def _mark_token_dim(args: tuple, kwargs: dict[str, Any], tokens: int) -> None:
     """Mark the step's token count dynamic where a region input carries it: dim 1 of ``[1, T, ...]``
     tensors (hidden states, cos/sin, position ids) and dim 0 of ``[T]`` ones."""
@@ -119,7 +141,7 @@ class CompiledRegions:
             self._install(norm, backend, pa_ref, None)
         greedy = own_code(greedy_ids)
         self.codes.append(greedy.__code__)
-        compiled_greedy = torch.compile(greedy, fullgraph=True, backend=backend)
+        compiled_greedy = compile_step_function(greedy, backend)
 
         def greedy_region(logits: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S]
             torch._dynamo.maybe_mark_dynamic(logits, 0)
@@ -130,7 +152,7 @@ class CompiledRegions:
     def _install(self, module: nn.Module, backend: str | Callable, pa_ref, idx: int | None) -> None:
         bound = own_code(type(module).forward, module)
         self.codes.append(bound.__code__)
-        compiled = torch.compile(bound, fullgraph=True, backend=backend)
+        compiled = compile_step_function(bound, backend)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             hidden = args[0] if args else next(iter(kwargs.values()))

@@ -10,9 +10,11 @@ Two paths:
 - **Eager/compiled** (prefill, mixed and large batches, CPU): the model forward, compiled once with
   ``torch.compile(fullgraph=True)`` when ``compile=True``, with the token count T and sequence count
   S marked dynamic on every tensor that carries them (model constants such as the attention scale
-  stay specialised). The step is padded to at least two tokens and two sequences so that sizes 0/1
-  never specialise the trace, and duck sizing is off so that ``T == S`` in one step does not become
-  a guard that the next step breaks: after the first compile there are no recompiles.
+  stay specialised). The trace is size-oblivious (``backed_size_oblivious``): a size of 1 does not
+  specialise it, so one graph serves a step of one token and one sequence (the batch-1 graph runs
+  its matmuls at M = 1, where cuBLAS is faster than at the M = 2 a padded step had); and duck sizing
+  is off so that ``T == S`` in one step does not become a guard that the next step breaks: after
+  the first compile there are no recompiles.
 
 The LM head runs only for each sequence's last token (``logits_to_keep=md.logits_indices``), and the
 greedy choice (:func:`~paged_ops.engine.sampler.greedy_ids`: one Triton pass on CUDA) is computed inside
@@ -40,7 +42,7 @@ import torch
 from torch import nn
 
 from paged_ops.engine import fusion, precompile, variant_prebuild
-from paged_ops.engine.regions import CompiledRegions, own_code
+from paged_ops.engine.regions import CompiledRegions, compile_step_function, own_code
 from paged_ops.engine.rope_tables import RopeTables
 from paged_ops.engine.sampler import greedy_ids, host_to_device
 from paged_ops.engine.scheduler import ScheduledBatch
@@ -66,9 +68,9 @@ def inductor_options(device: torch.device) -> dict[str, object]:
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes that get a CUDA graph: 2, 4, 8, 16, 32, then multiples of 32, up to and
-    including ``max_num_seqs`` (a graph of one sequence only when no more fit)."""
-    sizes = [b for b in (2, 4, 8, 16) if b < max_num_seqs]
+    """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, 16, 32, then multiples of 32, up to
+    and including ``max_num_seqs``."""
+    sizes = [b for b in (1, 2, 4, 8, 16) if b < max_num_seqs]
     sizes += list(range(32, max_num_seqs, 32))
     return sorted(set(sizes + [max_num_seqs]))
 
@@ -79,8 +81,8 @@ def warm_up_shapes(max_num_seqs: int, max_num_tokens: int, on_gpu: bool) -> list
     On a GPU they are also where kernels JIT-compile their variants (tiles and KV splits chosen
     from T and S); the runner adds one step for each triton launch configuration they miss
     (``ModelRunner._warm_up_shapes``)."""
-    least = min(2, max_num_seqs)  # steps pad to two sequences unless only one fits
-    shapes = [(min(16, max_num_tokens), least), (2, least)]
+    least = min(2, max_num_seqs)  # the trace's step: sizes above 1 where they fit
+    shapes = [(min(16, max_num_tokens), least), (2, least), (1, 1)]
     if on_gpu:
         # Kernels JIT-compile a variant per launch configuration (tiles and KV splits chosen
         # from T and S, integer specialisations): meet them here, not in the first requests.
@@ -100,10 +102,13 @@ def warm_up_slices(block: int, tokens: int, seqs: int, pa: PagedAttention) -> li
     return [SequenceSlice([block] * -(-n // pa.block_size), 0, n)] * seqs
 
 
-def _no_duck_shapes():  # returns a context manager
+def _dynamic_trace():  # returns a context manager
+    """Dynamo's shape settings for the runner's traces: sizes 0/1 do not specialise a dynamic
+    dimension (a step of one token or sequence reuses the graph traced at more), and no duck
+    sizing (equal T and S in one step would otherwise become a guard)."""
     from torch.fx.experimental import _config as fx_config
 
-    return fx_config.patch(use_duck_shape=False)
+    return fx_config.patch(use_duck_shape=False, backed_size_oblivious=True)
 
 
 def _evict_compiled(
@@ -240,7 +245,7 @@ class ModelRunner:
             else:
                 forward = own_code(self._model_forward.__func__, self)
                 codes = [forward.__code__]
-                self._forward = torch.compile(forward, fullgraph=True, backend=backend)
+                self._forward = compile_step_function(forward, backend)
                 if precompile_dir is not None:
                     options = dict(cuda_graphs=cuda_graphs, fuse_projections=fuse_projections,
                                    small_linears=small_linears, rope_tables=rope_tables,
@@ -326,13 +331,13 @@ class ModelRunner:
             assert self._precompile_source is not None and self.precompiled_path is not None
             function, backend = self._precompile_source
             try:
-                with _no_duck_shapes():
+                with _dynamic_trace():
                     self._precompiled = precompile.compile_ahead(function, backend, (self, *args))
             except Exception as e:  # noqa: BLE001 - the usual compile serves instead
                 self.precompiled_status = f"not used: compiling ahead failed: {e!r}"
                 precompile.logger.warning("precompiled forward %s", self.precompiled_status)
                 self.precompiled_path = self._precompile_source = None
-                with _no_duck_shapes():
+                with _dynamic_trace():
                     return self._forward(*args)
             try:
                 size = precompile.save(self._precompiled, self.precompiled_path, self)
@@ -388,7 +393,7 @@ class ModelRunner:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         if self.precompiled_path is not None:
             return self._call_precompiled(args)
-        with _no_duck_shapes():
+        with _dynamic_trace():
             return self._forward(*args)
 
     def _load_ids(self, ids: list[int], num_tokens: int, start: int = 0) -> None:
@@ -456,10 +461,8 @@ class ModelRunner:
             graph, (logits, greedy) = self._graphs[bucket]
             graph.replay()
             return logits[:num_seqs], greedy[:num_seqs]
-        num_tokens = max(batch.num_tokens, 2)
-        padded_seqs = min(max(num_seqs, 2), self.max_num_seqs)
-        self._set_inputs(batch, fed_from, num_tokens, padded_seqs)
-        logits, greedy = self._call(num_tokens)
+        self._set_inputs(batch, fed_from, batch.num_tokens, num_seqs)
+        logits, greedy = self._call(batch.num_tokens)
         return logits[:num_seqs], greedy[:num_seqs]
 
     def _execute_verify(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -478,9 +481,8 @@ class ModelRunner:
             rows = num_seqs * (k + 1)
             return logits[:rows], greedy[:rows]
         rows = batch.logit_rows
-        num_tokens = max(batch.num_tokens, 2)
-        self._set_inputs(batch, None, num_tokens, min(max(num_seqs, 2), self.max_num_seqs))
-        return self._call(num_tokens, host_to_device(rows, torch.int64, self.device))
+        self._set_inputs(batch, None, batch.num_tokens, num_seqs)
+        return self._call(batch.num_tokens, host_to_device(rows, torch.int64, self.device))
 
     def close(self) -> None:
         """Drop the CUDA graphs (and their memory pool), the compiled forward with Dynamo's cache
@@ -552,7 +554,7 @@ class ModelRunner:
         more = -(-n // size) - 1
         extra = allocator.allocate(more) if more and allocator.can_allocate(more) else []
         n = min(n, size * (1 + len(extra)))
-        tokens = max(n, 2)
+        tokens = n
         slices = [SequenceSlice([block, *extra], 0, n)]
         vocab = int(self.model.config.vocab_size)
         steps = []
