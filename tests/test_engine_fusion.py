@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -132,21 +133,29 @@ def test_small_linear_pass_reroutes_linears_up_to_a_width_with_the_same_logits(m
         seen["small"] = sum(
             n.target is torch.ops.paged_ops.small_linear.default for n in gm.graph.nodes
         )
+        seen["norm"] = sum(
+            n.target is torch.ops.paged_ops.add_rms_norm_linear.default for n in gm.graph.nodes
+        )
         from torch._dynamo import lookup_backend
 
         return lookup_backend("aot_eager")(gm, example_inputs)
 
     rerouted: list[int] = []
+    norms: list[int] = []
     backend = fusion.compile_backend(
-        inner, small_linears=True, max_out_features=max_out, on_rerouted=rerouted.append
-    )
+        inner, small_linears=True, max_out_features=max_out, on_rerouted=rerouted.append,
+        on_norms_fused=norms.append,
+    )  # fmt: skip
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     torch.testing.assert_close(run(compiled), reference, rtol=1e-4, atol=1e-4)
-    # per layer: fused q/k/v, o, fused gate/up, down; then the head
+    # per layer: fused q/k/v, o, fused gate/up, down; then the head. The norms of a residual sum
+    # (every one but layer 0's input norm and the final norm, which feeds the head through a
+    # slice) go into the projections that read them, within max_out_features
     kept = 0 if max_out is None else num_layers
-    assert seen == {"linear": kept, "small": 4 * num_layers + 1 - kept}
-    assert rerouted == [seen["small"]]
+    fused = num_layers - 1 + (num_layers - kept)
+    assert seen == {"linear": kept, "small": 4 * num_layers + 1 - kept - fused, "norm": fused}
+    assert rerouted == [seen["small"]] and norms == [fused]
 
 
 def test_inductor_options_apply_while_the_inner_backend_compiles(monkeypatch):
@@ -177,3 +186,54 @@ def test_inductor_options_apply_while_the_inner_backend_compiles(monkeypatch):
     monkeypatch.setenv("PAGED_OPS_COMBO_KERNELS", "1")
     monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
     assert runner.inductor_options(torch.device("cuda")) == {}
+
+
+@pytest.mark.parametrize(("family", "expected"), [("qwen3", "2L-1"), ("gemma2", "0")])
+def test_norm_fusion_takes_llama_style_norms_only(family, expected):
+    # Qwen3: the layer norms are Llama's (its per-head q/k norms read no residual sum); Gemma 2
+    # scales by 1 + g and norms after the block as well: nothing of it matches
+    model, _, _, run = patched_nine_token_step(family, seed=3)
+    reference = run(model)
+    fusion.stack_projection_weights(model)
+    norms: list[int] = []
+
+    def inner(gm, example_inputs):
+        from torch._dynamo import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    backend = fusion.compile_backend(inner, small_linears=True, on_norms_fused=norms.append)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    torch.testing.assert_close(run(compiled), reference, rtol=1e-4, atol=1e-4)
+    layers = model.config.num_hidden_layers
+    assert norms == [2 * layers - 1 if expected == "2L-1" else 0]
+
+
+def test_engine_decode_steps_run_the_norm_in_the_projection_with_eager_tokens(monkeypatch):
+    # the compiled engine with small_linears: its one-token decode steps launch the fused
+    # add + RMSNorm + GEMV kernel (under the interpreter in CI), and greedy tokens equal eager's
+    from engine_models import prompts_of, tiny_llama
+
+    from paged_ops import LLM, SamplingParams
+    from paged_ops.engine import runner
+
+    kernels = pytest.importorskip("paged_ops.backends.triton_norm_linear_kernels")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
+    launches: list[int] = []
+    launch = kernels.add_rms_norm_gemv
+    monkeypatch.setattr(kernels, "add_rms_norm_gemv", lambda *a: launches.append(1) or launch(*a))
+    monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    prompts, params = prompts_of([5, 3], seed=4), SamplingParams(max_new_tokens=4)
+    kwargs = dict(backend="reference", block_size=4, max_num_seqs=2, max_model_len=32,
+                  num_blocks=32)  # fmt: skip
+    eager = LLM(tiny_llama(seed=5), compile=False, **kwargs)
+    fused = LLM(tiny_llama(seed=5), compile=True, small_linears=True, **kwargs)
+    assert fused.runner.num_fused_norms == 3  # 2 layers: all but layer 0's input norm
+    for prompt in prompts:  # one request at a time: its decode steps have one token
+        launches.clear()  # (the warm-up ran one-token steps too)
+        tokens = fused.generate([prompt], params, use_tqdm=False)[0].token_ids
+        assert tokens == eager.generate([prompt], params, use_tqdm=False)[0].token_ids
+        assert len(launches) == 3 * 3  # 3 decode steps x the 3 fused norms

@@ -309,12 +309,15 @@ def compile_backend(
     max_out_features: int | None = None,
     on_rerouted: Callable[[int], None] | None = None,
     inductor_options: dict[str, Any] | None = None,
+    on_norms_fused: Callable[[int], None] | None = None,
 ) -> Callable:
-    """A ``torch.compile`` backend: :func:`fuse_linears` (``fuse``), then
-    :func:`route_small_linears` (``small_linears``), then ``inner`` (Inductor by default).
+    """A ``torch.compile`` backend: :func:`fuse_linears` (``fuse``), then with ``small_linears``
+    :func:`~paged_ops.engine.norm_fusion.fuse_norm_linears` (residual add + RMSNorm + the
+    projections that read it as one op) and :func:`route_small_linears`, then ``inner`` (Inductor
+    by default).
 
     ``on_fused`` is told how many ``linear`` calls each compiled graph lost, ``on_rerouted`` how
-    many went to the small-batch op. While Inductor autotunes GEMMs (``max_autotune`` or
+    many went to the small-batch op, ``on_norms_fused`` how many norms went into projections. While Inductor autotunes GEMMs (``max_autotune`` or
     ``max_autotune_gemm`` in ``torch._inductor.config`` when the graph is compiled), nothing is
     fused: its autotuner times each matmul on fresh inputs sized from the graph's own inputs, and a
     stacked weight is a view past the first weight's storage, which those inputs do not have
@@ -331,6 +334,11 @@ def compile_backend(
             if on_fused is not None:
                 on_fused(removed)
         if small_linears:
+            from paged_ops.engine.norm_fusion import fuse_norm_linears
+
+            norms = fuse_norm_linears(gm, max_out_features)
+            if on_norms_fused is not None:
+                on_norms_fused(norms)
             rerouted = route_small_linears(gm, max_out_features)
             if on_rerouted is not None:
                 on_rerouted(rerouted)

@@ -209,6 +209,7 @@ class ModelRunner:
         self.fused_groups: list = []  # projection groups whose weights were stacked
         self.num_fused_linears = 0  # linear calls removed from the compiled graph
         self.num_small_linears = 0  # linear calls sent through paged_ops::small_linear
+        self.num_fused_norms = 0  # RMSNorms computed inside paged_ops::add_rms_norm_linear
         # precompile_dir: the saved forward's path, the function it compiled (or None until the
         # first step), whether it was loaded (checked against eager at the first warm-up step)
         self.precompiled_path: Path | None = None
@@ -236,6 +237,7 @@ class ModelRunner:
                     small_linears=small_linears,
                     max_out_features=SMALL_LINEAR_MAX_OUT,
                     on_rerouted=_weak(self._count_rerouted),
+                    on_norms_fused=_weak(self._count_norms),
                     inductor_options=options,
                 )
             if compile_regions:  # each decoder layer compiled on its own (engine/regions.py)
@@ -358,6 +360,9 @@ class ModelRunner:
 
     def _count_rerouted(self, rerouted: int) -> None:
         self.num_small_linears += rerouted
+
+    def _count_norms(self, fused: int) -> None:
+        self.num_fused_norms += fused
 
     def _model_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor

@@ -1,0 +1,154 @@
+"""Triton kernels of ``paged_ops::add_rms_norm_linear``: a decoder layer's residual add, its RMSNorm
+and the projection that reads the norm, ``out = rms_norm(x + residual) * g @ W^T``.
+
+In a batch-1 decode step the residual add + RMSNorm is a kernel of its own before each of the
+two norm-fed projections (q/k/v and gate/up), ~2 us of a 2,048-wide row each plus a launch
+boundary: 32 kernels of a 16-layer step (benchmarks/NOTES.md section 25). Here it is folded into
+the GEMV:
+
+- :func:`add_rms_norm_gemv_kernel` (one row, ``M == 1``): each program owns ``BLOCK_N`` rows of
+  ``W`` and streams them in ``[BLOCK_N, BLOCK_K]`` tiles as ``small_linear``'s FMA path does. For
+  each ``K`` tile it forms ``h = x + residual`` (rounded to the model's dtype, as the model's add
+  is), adds ``h^2`` to a running sum and ``W * (h * g)`` to the products; the norm's scale
+  ``rsqrt(mean(h^2) + eps)`` is one number per row, so it multiplies the sum after the loop. No
+  program waits for a norm before its first weight tile. Program 0 also stores ``h`` (the next
+  residual).
+- :func:`add_rms_norm_kernel` (any ``M``): one program per row writes ``h`` and the normalised
+  row, rounded as the model rounds it (``(h * rsqrt(...)).to(dtype) * g``); the projection
+  then runs as ``small_linear``/``F.linear`` would.
+
+The one-row kernel scales after the sum, so its result differs from the model's (which rounds the
+normalised row to the dtype before ``* g`` and the matmul) by that rounding: bfloat16 noise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_rms_norm_gemv_kernel(
+    x_ptr,  # [K] the block's output (one token)
+    res_ptr,  # [K] the residual stream
+    g_ptr,  # [K] the norm's weight
+    w_ptr,  # [N, K]
+    out_ptr,  # [N]
+    h_ptr,  # [K] x + residual, stored by program 0
+    N,
+    K,
+    stride_wn,
+    eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
+    NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # padding rows repeat the last: no load masks
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # summed over K after the loop
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    h_end = tl.where(pid == 0, K, 0)  # program 0 stores h
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k + offs_k
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptr + kk)
+            r = tl.load(res_ptr + kk)
+            g = tl.load(g_ptr + kk)
+        else:
+            k_ok = kk < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
+            r = tl.load(res_ptr + kk, mask=k_ok, other=0.0)
+            g = tl.load(g_ptr + kk, mask=k_ok, other=0.0)
+        h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the model's add, rounded
+        tl.store(h_ptr + kk, h, mask=kk < h_end)
+        hf = h.to(tl.float32)
+        squares += hf * hf
+        acc += w.to(tl.float32) * (hf * g.to(tl.float32))[None, :]
+        w_ptrs += BLOCK_K
+    rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+    out = tl.sum(acc, axis=1) * rstd  # [BLOCK_N]
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def add_rms_norm_kernel(
+    x_ptr,  # [M, K]
+    res_ptr,  # [M, K]
+    g_ptr,  # [K]
+    h_ptr,  # [M, K] out: x + residual
+    y_ptr,  # [M, K] out: the normalised row times g
+    K,
+    stride_x,
+    stride_r,
+    eps,
+    BLOCK_K: tl.constexpr,  # >= K
+):
+    row = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    ok = kk < K
+    x = tl.load(x_ptr + row * stride_x + kk, mask=ok, other=0.0)
+    r = tl.load(res_ptr + row * stride_r + kk, mask=ok, other=0.0)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    tl.store(h_ptr + row * K + kk, h, mask=ok)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
+    normed = (hf * rstd).to(x.dtype)  # the model rounds the normalised row, then multiplies by g
+    g = tl.load(g_ptr + kk, mask=ok, other=0.0)
+    y = (normed.to(tl.float32) * g.to(tl.float32)).to(x.dtype)
+    tl.store(y_ptr + row * K + kk, y, mask=ok)
+
+
+GEMV_BLOCK_N = 8  # rows of W per program (small_linear's one-row FMA choice)
+GEMV_TILE_BYTES = 1024  # bytes of each W row per K step
+GEMV_STAGES = 3
+
+
+def add_rms_norm_gemv(
+    x: torch.Tensor,  # [1, K]
+    residual: torch.Tensor,  # [1, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K], last stride 1
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [1, N], h [1, K]
+    """One row: ``h = x + residual``, ``out = rms_norm(h) * norm_weight @ weight.T``, one launch.
+    Shapes, dtypes and strides are the caller's to check (``paged_ops.norm_linear``)."""
+    k = x.shape[1]
+    n = weight.shape[0]
+    block_k = min(GEMV_TILE_BYTES // x.element_size(), triton.next_power_of_2(k))
+    out = torch.empty((1, n), device=x.device, dtype=x.dtype)  # [1, N]
+    h = torch.empty((1, k), device=x.device, dtype=x.dtype)  # [1, K]
+    grid = (triton.cdiv(n, GEMV_BLOCK_N),)
+    add_rms_norm_gemv_kernel[grid](
+        x, residual, norm_weight, weight, out, h, n, k, weight.stride(0), eps,
+        BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, NUM_STAGES=GEMV_STAGES,
+        num_warps=4, num_stages=GEMV_STAGES,
+    )  # fmt: skip
+    return out, h
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [M, K], last stride 1
+    residual: torch.Tensor,  # [M, K], last stride 1
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # h [M, K], y [M, K]
+    """``h = x + residual`` and ``y = rms_norm(h) * norm_weight`` (the model's rounding), one
+    launch of one program per row."""
+    m, k = x.shape
+    h = torch.empty((m, k), device=x.device, dtype=x.dtype)
+    y = torch.empty((m, k), device=x.device, dtype=x.dtype)
+    if m == 0:
+        return h, y
+    block_k = triton.next_power_of_2(k)
+    add_rms_norm_kernel[(m,)](
+        x, residual, norm_weight, h, y, k, x.stride(0), residual.stride(0), eps,
+        BLOCK_K=block_k, num_warps=max(1, min(16, block_k // 256)),
+    )  # fmt: skip
+    return h, y

@@ -1,0 +1,129 @@
+"""``paged_ops::add_rms_norm_linear``: a decoder layer's residual add, RMSNorm and the projection
+that reads the norm, in one op: ``h = x + residual``, ``out = (rms_norm(h) * g) @ W^T``.
+
+The engine's graph pass (:func:`paged_ops.engine.norm_fusion.fuse_norm_linears`, with
+``LLM(small_linears=True)``) puts it where a Llama-style ``RMSNorm`` of a residual sum feeds
+projections. A step of one token runs one Triton kernel (the GEMV does the add and the norm:
+:mod:`paged_ops.backends.triton_norm_linear_kernels`); more tokens run the add + norm kernel and
+then ``small_linear`` (a Triton GEMV up to 16 rows, else ``F.linear``). Without triton (or on a CPU
+without ``TRITON_INTERPRET=1``) it is the model's own math in torch. It is one opaque node for
+torch.compile (fake kernel from shapes only); it records no autograd (the engine runs under
+``inference_mode``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from paged_ops.linear import small_linear
+from paged_ops.triton_dispatch import kernel_module, runs_kernels_on
+
+_lib = torch.library.Library("paged_ops", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
+_lib.define(
+    "add_rms_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight)"
+    " -> (Tensor, Tensor)"
+)
+
+
+def _check(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+) -> None:
+    if x.dim() < 1 or residual.shape != x.shape:
+        raise ValueError(
+            f"x and residual must have one shape [..., K], got {tuple(x.shape)} and "
+            f"{tuple(residual.shape)}"
+        )
+    k = x.shape[-1]
+    if norm_weight.shape != (k,):
+        raise ValueError(
+            f"norm_weight must have shape [K] = ({k},), got {tuple(norm_weight.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"weight must be [N, K] with K = {k}, got {tuple(weight.shape)}")
+    for name, t in (("residual", residual), ("norm_weight", norm_weight), ("weight", weight)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from x's {x.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} device {t.device} differs from x's {x.device}")
+
+
+def _torch_math(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h`` and the normalised ``h`` times ``norm_weight``, as transformers' Llama ``RMSNorm``
+    computes them (float32 statistics, the row rounded to the dtype before the weight)."""
+    h = x + residual
+    hf = h.to(torch.float32)
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return h, norm_weight * normed.to(x.dtype)
+
+
+def _kernels():  # noqa: ANN202 (a module, or None without triton)
+    return kernel_module("paged_ops.backends.triton_norm_linear_kernels")
+
+
+def _impl(
+    x: torch.Tensor,  # [..., K]
+    residual: torch.Tensor,  # [..., K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [..., N], h [..., K]
+    _check(x, residual, norm_weight, weight)
+    k = x.shape[-1]
+    x2d = x.reshape(-1, k)  # [M, K]
+    r2d = residual.reshape(-1, k)
+    kernels = _kernels()
+    if kernels is None or not runs_kernels_on(x2d) or x2d.stride(-1) != 1 or r2d.stride(-1) != 1:
+        h, y = _torch_math(x, residual, norm_weight, eps)
+        return F.linear(y, weight), h
+    norm_weight = norm_weight.contiguous()
+    if x2d.shape[0] == 1 and weight.stride(1) == 1:
+        out, h = kernels.add_rms_norm_gemv(x2d, r2d, norm_weight, eps, weight)  # [1, N], [1, K]
+    else:
+        h, y = kernels.add_rms_norm(x2d, r2d, norm_weight, eps)  # [M, K] each
+        out = small_linear(y, weight)  # [M, N]
+    return out.view(*x.shape[:-1], weight.shape[0]), h.view(x.shape)
+
+
+for _device in ("CPU", "CUDA"):
+    _lib.impl("add_rms_norm_linear", _impl, _device)
+
+
+@torch.library.register_fake("paged_ops::add_rms_norm_linear", lib=_lib)
+def _fake(x, residual, norm_weight, eps, weight):  # noqa: ANN001
+    return x.new_empty((*x.shape[:-1], weight.shape[0])), x.new_empty(x.shape)
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add, an RMSNorm and a projection of the normalised sum.
+
+    Args:
+        x: ``[..., K]``, e.g. the attention block's output ``[1, T, K]``.
+        residual: ``[..., K]``, the residual stream, x's shape, dtype and device.
+        norm_weight: ``[K]``, the RMSNorm's weight.
+        eps: the RMSNorm's epsilon.
+        weight: ``[N, K]`` (``nn.Linear.weight``, no bias); any row stride.
+
+    Returns:
+        ``(out, h)``: ``out = (rms_norm(h) * norm_weight) @ weight.T`` ``[..., N]`` and
+        ``h = x + residual`` ``[..., K]``, both in x's dtype. One row on CUDA (or under
+        ``TRITON_INTERPRET=1`` on float16/float32) is one Triton kernel that scales by the norm
+        after its sum (bfloat16 noise against the model's rounding); otherwise the model's math.
+
+    Raises:
+        ValueError: shapes that do not match, tensors on different devices.
+        TypeError: dtypes differ.
+    """
+    _check(x, residual, norm_weight, weight)
+    return torch.ops.paged_ops.add_rms_norm_linear.default(x, residual, norm_weight, eps, weight)
