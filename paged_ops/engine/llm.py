@@ -266,8 +266,10 @@ class LLM:
             into them is fine); ``generate`` checks.
         small_linears: with ``compile``, projections run through ``paged_ops.small_linear``: a
             Triton matrix-vector kernel for steps of up to 16 tokens, cuBLAS for larger steps and
-            vocabulary heads. Off by default: on an H100 it is not faster than cuBLAS yet
-            (batch 1: 441 vs 683 tok/s; benchmarks/NOTES.md section 11).
+            vocabulary heads; and a Llama-style residual add + RMSNorm goes into the projections
+            that read it (``paged_ops.add_rms_norm_linear``: one kernel for a one-token step).
+            Faster at batch 1 (H200: 932 vs 855 tok/s), 1% slower at 64-256 requests (their
+            prefill and mixed steps); off by default (benchmarks/NOTES.md section 25).
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward; identical layers are served
             by Inductor's and AOTAutograd's caches, so the first start compiles one layer's
