@@ -25,6 +25,7 @@ from paged_ops.engine import (
 from paged_ops.linear import small_linear
 from paged_ops.metadata import AttentionMetadata, MetadataBuilder, SequenceSlice
 from paged_ops.module import LayerConfig, PagedAttention
+from paged_ops.norm_linear import add_rms_norm_linear
 from paged_ops.ops import paged_attention, write_kv
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "SpeculativeConfig",
     "StreamChunk",
     "TokenLogprob",
+    "add_rms_norm_linear",
     "available_backends",
     "blocks_needed",
     "configure_compile_caches",
