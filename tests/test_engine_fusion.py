@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from hf_models import build_model, make_prompts
+from torch._dynamo.utils import counters
 
 from paged_ops.engine import fusion
 from paged_ops.metadata import SequenceSlice
@@ -230,10 +231,19 @@ def test_engine_decode_steps_run_the_norm_in_the_projection_with_eager_tokens(mo
     kwargs = dict(backend="reference", block_size=4, max_num_seqs=2, max_model_len=32,
                   num_blocks=32)  # fmt: skip
     eager = LLM(tiny_llama(seed=5), compile=False, **kwargs)
+    counters.clear()
     fused = LLM(tiny_llama(seed=5), compile=True, small_linears=True, **kwargs)
     assert fused.runner.num_fused_norms == 3  # 2 layers: all but layer 0's input norm
-    for prompt in prompts:  # one request at a time: its decode steps have one token
-        launches.clear()  # (the warm-up ran one-token steps too)
-        tokens = fused.generate([prompt], params, use_tqdm=False)[0].token_ids
-        assert tokens == eager.generate([prompt], params, use_tqdm=False)[0].token_ids
-        assert len(launches) == 3 * 3  # 3 decode steps x the 3 fused norms
+    assert counters["stats"]["unique_graphs"] == 1
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompt in prompts:  # one request at a time: its decode steps have one token
+            launches.clear()  # (the warm-up ran one-token steps too)
+            tokens = fused.generate([prompt], params, use_tqdm=False)[0].token_ids
+            assert tokens == eager.generate([prompt], params, use_tqdm=False)[0].token_ids
+            assert len(launches) == 3 * 3  # 3 decode steps x the 3 fused norms
+        # prefills and two-token decode steps: the add + norm kernel, then the projection
+        both = fused.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in both] == [
+            o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)
+        ]
+    assert counters["stats"]["unique_graphs"] == 1  # nothing traced after the warm-up
