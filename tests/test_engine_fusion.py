@@ -211,7 +211,7 @@ def test_norm_fusion_takes_llama_style_norms_only(family, expected):
     assert norms == [2 * layers - 1 if expected == "2L-1" else 0]
 
 
-def test_engine_decode_steps_run_the_norm_in_the_projection_with_eager_tokens(monkeypatch):
+def test_norm_fusion_in_the_engine_one_token_steps_with_eager_tokens(monkeypatch):
     # the compiled engine with small_linears: its one-token decode steps launch the fused
     # add + RMSNorm + GEMV kernel (under the interpreter in CI), and greedy tokens equal eager's
     from engine_models import prompts_of, tiny_llama

@@ -317,7 +317,8 @@ def compile_backend(
     by default).
 
     ``on_fused`` is told how many ``linear`` calls each compiled graph lost, ``on_rerouted`` how
-    many went to the small-batch op, ``on_norms_fused`` how many norms went into projections. While Inductor autotunes GEMMs (``max_autotune`` or
+    many went to the small-batch op, ``on_norms_fused`` how many norms went into projections.
+    While Inductor autotunes GEMMs (``max_autotune`` or
     ``max_autotune_gemm`` in ``torch._inductor.config`` when the graph is compiled), nothing is
     fused: its autotuner times each matmul on fresh inputs sized from the graph's own inputs, and a
     stacked weight is a view past the first weight's storage, which those inputs do not have

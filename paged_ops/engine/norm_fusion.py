@@ -11,10 +11,11 @@ Phi-3, Granite, ...) as Dynamo traces it::
     out_i = linear(y, W_i)                      # every user of y, no bias
 
 and replaces each ``linear`` by the op's first output; the add's other users (the next residual)
-read its second output. Anything else (a norm with other users, Gemma's ``1 + g``, a norm of a
-tensor that is not a sum, the final norm before a vocabulary head wider than
-``max_out_features``) is left as it was, so the pass changes which kernels run, not what they
-compute beyond the op's bfloat16 rounding (one-row steps scale by the norm after the sum).
+read its second output. Anything else (a norm with other users, such as the final norm, which
+reaches the vocabulary head through a slice; a projection wider than ``max_out_features``;
+Gemma's ``1 + g``; a norm of a tensor that is not a sum) is left as it was, so the pass changes
+which kernels run, not what they compute beyond the op's bfloat16 rounding (one-row steps scale
+by the norm after the sum).
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def _weight_rows(w: Any) -> int | None:
 
 
 def _projections(y: fx.Node, max_out_features: int | None) -> list[fx.Node] | None:
-    """Every user of ``y`` as a bias-free ``linear(y, W)`` within ``max_out_features``; else None."""
+    """Every user of ``y``, each a bias-free ``linear(y, W)`` within ``max_out_features``, else
+    None."""
     users = list(y.users)
     for node in users:
         if node.op != "call_function" or node.target not in _LINEAR_TARGETS or node.kwargs:

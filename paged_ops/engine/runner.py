@@ -12,9 +12,11 @@ Two paths:
   S marked dynamic on every tensor that carries them (model constants such as the attention scale
   stay specialised). The trace is size-oblivious (``backed_size_oblivious``): a size of 1 does not
   specialise it, so one graph serves a step of one token and one sequence (the batch-1 graph runs
-  its matmuls at M = 1, where cuBLAS is faster than at the M = 2 a padded step had); and duck sizing
-  is off so that ``T == S`` in one step does not become a guard that the next step breaks: after
-  the first compile there are no recompiles.
+  its matmuls at M = 1 instead of the M = 2 of the step padded to two that it used to be: +1.6% on
+  an H100, and the Triton GEMV of ``small_linears`` beats cuBLAS there; benchmarks/NOTES.md
+  section 25). The compiled forward has no shape-environment guard (``compile_step_function``).
+  Duck sizing is off so that ``T == S`` in one step does not become a guard that the next step
+  breaks: after the first compile there are no recompiles.
 
 The LM head runs only for each sequence's last token (``logits_to_keep=md.logits_indices``), and the
 greedy choice (:func:`~paged_ops.engine.sampler.greedy_ids`: one Triton pass on CUDA) is computed inside
