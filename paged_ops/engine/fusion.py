@@ -257,6 +257,17 @@ def _replace_run(
         graph.erase_node(node)
 
 
+def weight_rows(w: Any) -> int | None:
+    """The row count (output features) of the graph's weight ``w``: from its traced example
+    value, or from the ``as_strided`` view that :func:`fuse_linears` made of a stacked weight;
+    None when neither tells."""
+    weight_value = getattr(w, "meta", {}).get("example_value")
+    rows = getattr(weight_value, "shape", (None,))[0]
+    if rows is None and getattr(w, "target", None) == torch.as_strided:
+        rows = w.args[1][0]  # as_strided(w, (rows, K), ...)
+    return rows
+
+
 def route_small_linears(gm: fx.GraphModule, max_out_features: int | None = None) -> int:
     """Send ``linear`` calls through ``paged_ops::small_linear``; returns the calls rerouted.
 
@@ -276,10 +287,7 @@ def route_small_linears(gm: fx.GraphModule, max_out_features: int | None = None)
         if not 2 <= len(node.args) <= 3:
             continue
         x, w, b = (*node.args, None)[:3]
-        weight_value = getattr(w, "meta", {}).get("example_value")
-        rows = getattr(weight_value, "shape", (None,))[0]
-        if rows is None and getattr(w, "target", None) == torch.as_strided:
-            rows = w.args[1][0]  # a stacked weight of fuse_linears: as_strided(w, (rows, K), ...)
+        rows = weight_rows(w)
         if max_out_features is not None and (rows is None or rows > max_out_features):
             continue
         with graph.inserting_before(node):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from paged_ops.engine.fusion import _LINEAR_TARGETS
+from paged_ops.engine.fusion import _LINEAR_TARGETS, weight_rows
 
 
 def _value(node: Any) -> Any:
@@ -102,15 +102,6 @@ def _match_norm(y: fx.Node) -> tuple[list[fx.Node], fx.Node, float] | None:
     return [y, cast, scaled, rsqrt, plus_eps, var, square, h32, h], g, eps
 
 
-def _weight_rows(w: Any) -> int | None:
-    value = _value(w)
-    if isinstance(value, torch.Tensor):
-        return int(value.shape[0])
-    if _call(w, "call_function", torch.as_strided):  # a stacked weight of fuse_linears
-        return int(w.args[1][0])
-    return None
-
-
 def _projections(y: fx.Node, max_out_features: int | None) -> list[fx.Node] | None:
     """Every user of ``y``, each a bias-free ``linear(y, W)`` within ``max_out_features``, else
     None."""
@@ -124,7 +115,7 @@ def _projections(y: fx.Node, max_out_features: int | None) -> list[fx.Node] | No
             or node.args[2:] not in ((), (None,))
         ):
             return None
-        rows = _weight_rows(node.args[1])
+        rows = weight_rows(node.args[1])
         if rows is None or (max_out_features is not None and rows > max_out_features):
             return None
     return users or None
