@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paged_ops.linear import small_linear
+import paged_ops.linear  # noqa: F401  (registers paged_ops::small_linear)
 from paged_ops.triton_dispatch import kernel_module, runs_kernels_on
 
 _lib = torch.library.Library("paged_ops", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
@@ -86,7 +86,7 @@ def _impl(
         out, h = kernels.add_rms_norm_gemv(x2d, r2d, norm_weight, eps, weight)  # [1, N], [1, K]
     else:
         h, y = kernels.add_rms_norm(x2d, r2d, norm_weight, eps)  # [M, K] each
-        out = small_linear(y, weight)  # [M, N]
+        out = torch.ops.paged_ops.small_linear.default(y, weight, None)  # [M, N]; checked above
     return out.view(*x.shape[:-1], weight.shape[0]), h.view(x.shape)
 
 

@@ -561,16 +561,15 @@ class ModelRunner:
         more = -(-n // size) - 1
         extra = allocator.allocate(more) if more and allocator.can_allocate(more) else []
         n = min(n, size * (1 + len(extra)))
-        tokens = n
         slices = [SequenceSlice([block, *extra], 0, n)]
         vocab = int(self.model.config.vocab_size)
         steps = []
         try:
             for forward in (self._model_forward, self._call_loaded):
-                self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=1)
-                self._load_ids([(7 * i + 3) % vocab for i in range(n)], tokens)
+                self.pa.prepare_slices(slices, num_tokens=n, num_seqs=1)
+                self._load_ids([(7 * i + 3) % vocab for i in range(n)], n)
                 md = self.pa.metadata
-                args = (self.input_ids[:tokens], md.positions, md.logits_indices)
+                args = (self.input_ids[:n], md.positions, md.logits_indices)
                 try:
                     steps.append(forward(*args)[0].clone())  # logits [S, V]
                 except Exception as e:  # noqa: BLE001 - e.g. Inductor's input size asserts
