@@ -10,7 +10,7 @@ import torch
 from hf_models import build_model, make_prompts
 from torch._dynamo.utils import counters
 
-from paged_ops.engine import fusion
+from paged_ops.engine import fusion, norm_fusion
 from paged_ops.metadata import SequenceSlice
 
 pytest.importorskip("transformers")
@@ -134,9 +134,7 @@ def test_small_linear_pass_reroutes_linears_up_to_a_width_with_the_same_logits(m
         seen["small"] = sum(
             n.target is torch.ops.paged_ops.small_linear.default for n in gm.graph.nodes
         )
-        seen["norm"] = sum(
-            n.target is torch.ops.paged_ops.add_rms_norm_linear.default for n in gm.graph.nodes
-        )
+        seen["norm"] = sum(n.target is norm_fusion.norm_projections for n in gm.graph.nodes)
         from torch._dynamo import lookup_backend
 
         return lookup_backend("aot_eager")(gm, example_inputs)
@@ -241,9 +239,13 @@ def test_norm_fusion_in_the_engine_one_token_steps_with_eager_tokens(monkeypatch
             tokens = fused.generate([prompt], params, use_tqdm=False)[0].token_ids
             assert tokens == eager.generate([prompt], params, use_tqdm=False)[0].token_ids
             assert len(launches) == 3 * 3  # 3 decode steps x the 3 fused norms
-        # prefills and two-token decode steps: the add + norm kernel, then the projection
+        # prefills and two-token decode steps: the model's own add, norm and matmuls (the cond's
+        # other branch); only a step left with one sequence launches the fused kernel
+        launches.clear()
         both = fused.generate(prompts, params, use_tqdm=False)
         assert [o.token_ids for o in both] == [
             o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)
         ]
+        one_token_steps = abs(len(both[0].token_ids) - len(both[1].token_ids))
+        assert len(launches) == 3 * one_token_steps
     assert counters["stats"]["unique_graphs"] == 1  # nothing traced after the warm-up

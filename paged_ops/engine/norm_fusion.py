@@ -1,5 +1,6 @@
 """Graph pass: a residual add, the Llama-style RMSNorm of its sum and the projections that read
-the norm become ``paged_ops::add_rms_norm_linear`` calls (:mod:`paged_ops.norm_linear`).
+the norm become one :func:`norm_projections` call, which runs ``paged_ops::add_rms_norm_linear``
+(:mod:`paged_ops.norm_linear`) when the step has one token and the model's own ops otherwise.
 
 It matches transformers' ``LlamaRMSNorm`` (and the many families that copy it: Mistral, Qwen2/3,
 Phi-3, Granite, ...) as Dynamo traces it::
@@ -10,20 +11,28 @@ Phi-3, Granite, ...) as Dynamo traces it::
     y = g * (h32 * torch.rsqrt(var + eps)).to(h.dtype)
     out_i = linear(y, W_i)                      # every user of y, no bias
 
-and replaces each ``linear`` by the op's first output; the add's other users (the next residual)
-read its second output. Anything else (a norm with other users, such as the final norm, which
-reaches the vocabulary head through a slice; a projection wider than ``max_out_features``;
-Gemma's ``1 + g``; a norm of a tensor that is not a sum) is left as it was, so the pass changes
-which kernels run, not what they compute beyond the op's bfloat16 rounding (one-row steps scale
-by the norm after the sum).
+and replaces each ``linear`` by one of the call's outputs; the add's other users (the next
+residual) read its last output, ``h``. The call is a ``torch.ops.higher_order.cond`` on the
+step's token count, a size: the host picks the branch from the shapes (no device sync), a CUDA
+graph keeps the branch its step took, and the one graph serves every step. Steps of several
+tokens (prefills, mixed and batched decode steps) thus run exactly the code Inductor made before
+the pass (the fused op there cost 1% at 64 and 256 requests on an H200: benchmarks/NOTES.md
+sections 25-26). Anything else (a norm with other users, such as the final norm, which reaches
+the vocabulary head through a slice; a projection wider than ``max_out_features``; Gemma's
+``1 + g``; a norm of a tensor that is not a sum) is left as it was, so the pass changes which
+kernels run, not what they compute beyond the op's bfloat16 rounding (one-token steps scale by
+the norm after the sum).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import operator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import fx
 
 from paged_ops.engine.fusion import _LINEAR_TARGETS, weight_rows
@@ -121,9 +130,44 @@ def _projections(y: fx.Node, max_out_features: int | None) -> list[fx.Node] | No
     return users or None
 
 
+def _one_row(eps: float, a: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *weights: torch.Tensor):
+    """``norm_projections``' branch for one token: the fused op per projection (``h`` from the
+    first; each recomputes the add and the norm inside its GEMV)."""
+    outs = [torch.ops.paged_ops.add_rms_norm_linear.default(a, b, g, eps, w) for w in weights]
+    return (*(out for out, _ in outs), outs[0][1])
+
+
+def _rows(eps: float, a: torch.Tensor, b: torch.Tensor, g: torch.Tensor, *weights: torch.Tensor):
+    """``norm_projections``' branch for more tokens: the model's own ops (the matched formula),
+    which Inductor fuses and sends to cuBLAS as it did before the pass."""
+    h = a + b
+    hf = h.to(torch.float32)
+    y = g * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return (*(F.linear(y, w) for w in weights), h)
+
+
+def norm_projections(
+    a: torch.Tensor,  # [..., K] the block's output
+    b: torch.Tensor,  # [..., K] the residual
+    g: torch.Tensor,  # [K] the norm's weight
+    eps: float,
+    *weights: torch.Tensor,  # [N_i, K] each
+) -> tuple[torch.Tensor, ...]:  # out_i [..., N_i] each, then h = a + b [..., K]
+    """What the pass puts in the graph: ``torch.cond`` on the step having one token, so that a
+    one-token step (the batch-1 graph) runs ``add_rms_norm_linear`` and every other step runs
+    the model's own add, norm and matmuls, compiled as before. The condition is on a size: the
+    host picks the branch from the step's shape (no device sync), and a CUDA graph keeps the one
+    its step took."""
+    rows = math.prod(a.shape[:-1])
+    one_row, more_rows = functools.partial(_one_row, eps), functools.partial(_rows, eps)
+    if not isinstance(rows, torch.SymInt):  # eager, concrete sizes
+        return one_row(a, b, g, *weights) if rows == 1 else more_rows(a, b, g, *weights)
+    return torch.ops.higher_order.cond(rows == 1, one_row, more_rows, (a, b, g, *weights))
+
+
 def fuse_norm_linears(gm: fx.GraphModule, max_out_features: int | None = None) -> int:
-    """Replace each matched add + RMSNorm + projections by ``add_rms_norm_linear`` calls (see the
-    module docstring); returns the norms fused."""
+    """Replace each matched add + RMSNorm + projections by one :func:`norm_projections` call (see
+    the module docstring); returns the norms fused."""
     import paged_ops.norm_linear  # noqa: F401  (registers the op)
 
     graph = gm.graph
@@ -138,21 +182,21 @@ def fuse_norm_linears(gm: fx.GraphModule, max_out_features: int | None = None) -
         projections = _projections(y, max_out_features)
         if projections is None:
             continue
-        first = min(projections, key=order.__getitem__)
+        projections.sort(key=order.__getitem__)
+        first = projections[0]
+        weights = [node.args[1] for node in projections]
         later = [u for u in h.users if u is not h32]
         if any(order[u] < order[first] for u in later):  # the sum is read before the projection
             continue
+        if any(isinstance(w, fx.Node) and order[w] > order[first] for w in weights):
+            continue  # a weight made after the first projection (not seen in the models)
         a, b = h.args
-        h_out = None
-        for node in sorted(projections, key=order.__getitem__):
-            with graph.inserting_before(node):
-                call = graph.call_function(
-                    torch.ops.paged_ops.add_rms_norm_linear.default, (a, b, g, eps, node.args[1])
-                )
-                out = graph.call_function(operator.getitem, (call, 0))
-                if h_out is None:
-                    h_out = graph.call_function(operator.getitem, (call, 1))
-                    h_out.meta["example_value"] = _value(h)
+        with graph.inserting_before(first):
+            call = graph.call_function(norm_projections, (a, b, g, eps, *weights))
+            outs = [graph.call_function(operator.getitem, (call, i)) for i in range(len(weights))]
+            h_out = graph.call_function(operator.getitem, (call, len(weights)))
+        h_out.meta["example_value"] = _value(h)
+        for node, out in zip(projections, outs, strict=True):
             out.meta["example_value"] = _value(node)
             node.replace_all_uses_with(out)
             graph.erase_node(node)
