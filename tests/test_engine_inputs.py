@@ -68,6 +68,7 @@ def llm(base) -> LLM:
         (dict(backend="cuda"), ValueError, "backend must be 'auto' or one of"),
         (dict(compile="yes"), TypeError, "compile must be True, False or None"),
         (dict(overlap=1), TypeError, "overlap must be True or False"),
+        (dict(small_linears="on"), TypeError, "small_linears must be True, False or None"),
     ],
 )
 def test_bad_llm_arguments_are_refused_before_the_model_is_touched(base, kwargs, error, match):
@@ -241,6 +242,23 @@ def test_cpu_models_are_not_compiled_by_default(base):
     llm = LLM(copy.deepcopy(base), **OPTS)
     assert llm.runner._compiled is False
     assert "CPU" in LLM.__doc__ or "cpu" in LLM.__doc__
+
+
+def test_small_linears_default_to_compiled_cuda_models_of_one_process(base, monkeypatch):
+    import importlib.util
+
+    from paged_ops.engine import inputs
+
+    llm = LLM(copy.deepcopy(base), **OPTS)  # a CPU model: nothing rerouted
+    assert llm.runner.num_small_linears == 0 and llm.runner.num_fused_norms == 0
+    assert inputs.default_small_linears(base, True, None) is False  # its weights are on the CPU
+    monkeypatch.setattr(inputs, "on_cuda", lambda model: True)
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert inputs.default_small_linears(base, True, None) is has_triton
+    assert inputs.default_small_linears(base, False, None) is False  # not compiled
+    assert inputs.default_small_linears(base, True, object()) is False  # tensor parallel
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert inputs.default_small_linears(base, True, None) is False  # no triton
 
 
 def test_progress_bar_counts_tokens_and_requests(llm, monkeypatch):

@@ -24,6 +24,7 @@ _MIN_SIZES = {
     "max_num_tokens": 1,
 }
 _FLAGS = ("cuda_graphs", "prefix_caching", "overlap", "fuse_projections", "small_linears")
+_DEFAULTED_FLAGS = ("compile", "precompile", "small_linears")  # None: chosen by the LLM
 
 
 def check_model(model: Any) -> None:
@@ -50,10 +51,8 @@ def check_llm_args(
         flags: compile (``None`` = by device) and the boolean switches.
     """
     for name, value in flags.items():
-        if not (isinstance(value, bool) or (name in ("compile", "precompile") and value is None)):
-            allowed = (
-                "True, False or None" if name in ("compile", "precompile") else "True or False"
-            )
+        if not (isinstance(value, bool) or (name in _DEFAULTED_FLAGS and value is None)):
+            allowed = "True, False or None" if name in _DEFAULTED_FLAGS else "True or False"
             raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
     given = {k: v for k, v in sizes.items() if v is not None}
     for name, low in _MIN_SIZES.items():
@@ -89,6 +88,18 @@ def default_compile(model: nn.Module) -> bool:
     """``compile=None``: compile on CUDA (where it pays within a few requests), not on CPU (its
     warm-up of ~15-60 s outweighs what it saves for the small models that run there)."""
     return on_cuda(model)
+
+
+def default_small_linears(model: nn.Module, compile: bool, tp: Any) -> bool:
+    """``small_linears=None``: on for a compiled CUDA model of one process with triton installed.
+    Its one-token steps then run the Triton GEMVs with the residual add + RMSNorm folded in, and
+    every other step the model's own code (H200, 1B model: b=1 +8%, 64 requests +3%; benchmarks/
+    NOTES.md section 26). Off under tensor parallelism (not measured there) and on the CPU."""
+    import importlib.util
+
+    return (
+        compile and on_cuda(model) and tp is None and importlib.util.find_spec("triton") is not None
+    )
 
 
 def is_chat(prompt: Any) -> bool:

@@ -29,6 +29,7 @@ from paged_ops.engine.inputs import (
     check_sampling,
     check_stop_ids,
     default_compile,
+    default_small_linears,
     encode_prompt,
     is_chat,
     on_cuda,
@@ -266,10 +267,12 @@ class LLM:
             into them is fine); ``generate`` checks.
         small_linears: with ``compile``, projections run through ``paged_ops.small_linear``: a
             Triton matrix-vector kernel for steps of up to 16 tokens, cuBLAS for larger steps and
-            vocabulary heads; and a Llama-style residual add + RMSNorm goes into the projections
-            that read it (``paged_ops.add_rms_norm_linear``: one kernel for a one-token step).
-            Faster at batch 1 (H200: 932 vs 855 tok/s), 1% slower at 64-256 requests (their
-            prefill and mixed steps); off by default (benchmarks/NOTES.md section 25).
+            vocabulary heads; and in one-token steps a Llama-style residual add + RMSNorm goes
+            into the projections that read it (``paged_ops.add_rms_norm_linear``, behind a
+            ``cond`` on the step's size: other steps run the model's own add, norm and matmuls).
+            Default (None): on for a compiled CUDA model with triton installed and no tensor
+            parallelism (H200, 1B model: batch 1 939-948 vs 868-875 tok/s, 64 requests +3%;
+            benchmarks/NOTES.md section 26); off on the CPU.
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward; identical layers are served
             by Inductor's and AOTAutograd's caches, so the first start compiles one layer's
@@ -354,7 +357,7 @@ class LLM:
         max_num_tokens: int | None = None,
         overlap: bool = True,
         fuse_projections: bool = True,
-        small_linears: bool = False,
+        small_linears: bool | None = None,
         compile_regions: bool = False,
         rope_tables: bool = True,
         precompile: bool | None = None,
@@ -401,6 +404,8 @@ class LLM:
         sizes = check_llm_args(model, given, flags)
         if compile is None:
             flags["compile"] = default_compile(model)
+        if small_linears is None:
+            flags["small_linears"] = default_small_linears(model, flags["compile"], self.tp)
         precompile_chosen = precompile is not None  # a refusal or a fallback is worth a warning
         if precompile is None:
             precompile = default_precompile(on_cuda(model), flags, speculative, self.tp, cache_dir)

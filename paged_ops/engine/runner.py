@@ -155,7 +155,9 @@ class ModelRunner:
             matmuls in the compiled graph (see :mod:`paged_ops.engine.fusion`).
         small_linears: with ``compile``, run the projections through ``paged_ops::small_linear``
             (a Triton GEMV for steps of <= 16 tokens, cuBLAS above; the vocabulary head stays on
-            cuBLAS). Off by default: not faster than cuBLAS on an H100 yet (NOTES.md section 11).
+            cuBLAS) and fold a residual add + RMSNorm into the projections of one-token steps
+            (:mod:`paged_ops.engine.norm_fusion`). ``LLM`` turns it on for CUDA models; off here
+            unless asked.
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward: the identical layers are
             served by the compile caches (:mod:`paged_ops.engine.regions`; a shorter first
