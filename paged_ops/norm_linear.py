@@ -21,8 +21,8 @@ from paged_ops.triton_dispatch import kernel_module, runs_kernels_on
 
 _lib = torch.library.Library("paged_ops", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
 _lib.define(
-    "add_rms_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight)"
-    " -> (Tensor, Tensor)"
+    "add_rms_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight,"
+    " Tensor? cos=None, Tensor? sin=None, int rope_cols=0) -> (Tensor, Tensor)"
 )
 
 
@@ -31,6 +31,9 @@ def _check(
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
     weight: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    rope_cols: int = 0,
 ) -> None:
     if x.dim() < 1 or residual.shape != x.shape:
         raise ValueError(
@@ -44,11 +47,35 @@ def _check(
         )
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"weight must be [N, K] with K = {k}, got {tuple(weight.shape)}")
-    for name, t in (("residual", residual), ("norm_weight", norm_weight), ("weight", weight)):
+    tensors = [("residual", residual), ("norm_weight", norm_weight), ("weight", weight)]
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin go together: give both or neither")
+    if cos is not None:
+        _check_rope(x, weight, cos, sin, rope_cols)
+        tensors += [("cos", cos), ("sin", sin)]
+    elif rope_cols != 0:
+        raise ValueError(f"rope_cols={rope_cols} needs cos and sin")
+    for name, t in tensors:
         if t.dtype != x.dtype:
             raise TypeError(f"{name} dtype {t.dtype} differs from x's {x.dtype}")
         if t.device != x.device:
             raise ValueError(f"{name} device {t.device} differs from x's {x.device}")
+
+
+def _check_rope(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_cols: int
+) -> None:
+    d = cos.shape[-1] if cos.dim() else 0
+    if cos.shape != (*x.shape[:-1], d) or sin.shape != cos.shape or d < 2 or d % 2:
+        raise ValueError(
+            f"cos and sin must be [..., D] with x's leading dims {tuple(x.shape[:-1])} and an even "
+            f"D, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if not 0 < rope_cols <= weight.shape[0] or rope_cols % d:
+        raise ValueError(
+            f"rope_cols must be a multiple of the head size {d} in (0, N = {weight.shape[0]}], "
+            f"got {rope_cols}"
+        )
 
 
 def _torch_math(
@@ -62,6 +89,22 @@ def _torch_math(
     return h, norm_weight * normed.to(x.dtype)
 
 
+def rotate(
+    out: torch.Tensor,  # [..., N]
+    cos: torch.Tensor,  # [..., D]
+    sin: torch.Tensor,  # [..., D]
+    rope_cols: int,
+) -> torch.Tensor:  # [..., N]
+    """transformers' rotate-half RoPE (``apply_rotary_pos_emb``'s formula) on the first
+    ``rope_cols`` columns of ``out`` taken as heads of ``D``; the other columns as they are."""
+    d = cos.shape[-1]
+    heads = out[..., :rope_cols].unflatten(-1, (-1, d))  # [..., H, D]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., 1, D]
+    x1, x2 = heads[..., : d // 2], heads[..., d // 2 :]
+    rotated = heads * c + torch.cat((-x2, x1), dim=-1) * s
+    return torch.cat((rotated.flatten(-2), out[..., rope_cols:]), dim=-1)
+
+
 def _kernels():  # noqa: ANN202 (a module, or None without triton)
     return kernel_module("paged_ops.backends.triton_norm_linear_kernels")
 
@@ -72,22 +115,31 @@ def _impl(
     norm_weight: torch.Tensor,  # [K]
     eps: float,
     weight: torch.Tensor,  # [N, K]
+    cos: torch.Tensor | None = None,  # [..., D]
+    sin: torch.Tensor | None = None,  # [..., D]
+    rope_cols: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [..., N], h [..., K]
-    _check(x, residual, norm_weight, weight)
+    _check(x, residual, norm_weight, weight, cos, sin, rope_cols)
     k = x.shape[-1]
     x2d = x.reshape(-1, k)  # [M, K]
     r2d = residual.reshape(-1, k)
     kernels = _kernels()
     if kernels is None or not runs_kernels_on(x2d) or x2d.stride(-1) != 1 or r2d.stride(-1) != 1:
         h, y = _torch_math(x, residual, norm_weight, eps)
-        return F.linear(y, weight), h
+        out = F.linear(y, weight)
+        return (out if cos is None else rotate(out, cos, sin, rope_cols)), h
     norm_weight = norm_weight.contiguous()
-    if x2d.shape[0] == 1 and weight.stride(1) == 1:
-        out, h = kernels.add_rms_norm_gemv(x2d, r2d, norm_weight, eps, weight)  # [1, N], [1, K]
-    else:
-        h, y = kernels.add_rms_norm(x2d, r2d, norm_weight, eps)  # [M, K] each
-        out = torch.ops.paged_ops.small_linear.default(y, weight, None)  # [M, N]; checked above
-    return out.view(*x.shape[:-1], weight.shape[0]), h.view(x.shape)
+    d = cos.shape[-1] if cos is not None else 0
+    in_kernel = cos is None or kernels.rope_fits(weight.shape[0], d)
+    if x2d.shape[0] == 1 and weight.stride(1) == 1 and in_kernel:
+        rope = None if cos is None else (cos.reshape(d).contiguous(), sin.reshape(d).contiguous(),
+                                         rope_cols)  # fmt: skip
+        out, h = kernels.add_rms_norm_gemv(x2d, r2d, norm_weight, eps, weight, rope)  # [1, N]
+        return out.view(*x.shape[:-1], weight.shape[0]), h.view(x.shape)
+    h, y = kernels.add_rms_norm(x2d, r2d, norm_weight, eps)  # [M, K] each
+    out = torch.ops.paged_ops.small_linear.default(y, weight, None)  # [M, N]; checked above
+    out = out.view(*x.shape[:-1], weight.shape[0])
+    return (out if cos is None else rotate(out, cos, sin, rope_cols)), h.view(x.shape)
 
 
 for _device in ("CPU", "CUDA"):
@@ -95,7 +147,7 @@ for _device in ("CPU", "CUDA"):
 
 
 @torch.library.register_fake("paged_ops::add_rms_norm_linear", lib=_lib)
-def _fake(x, residual, norm_weight, eps, weight):  # noqa: ANN001
+def _fake(x, residual, norm_weight, eps, weight, cos=None, sin=None, rope_cols=0):  # noqa: ANN001
     return x.new_empty((*x.shape[:-1], weight.shape[0])), x.new_empty(x.shape)
 
 
@@ -105,8 +157,12 @@ def add_rms_norm_linear(
     norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    rope_cols: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A residual add, an RMSNorm and a projection of the normalised sum.
+    """A residual add, an RMSNorm and a projection of the normalised sum; optionally the
+    rotary embedding of the projection's query and key columns.
 
     Args:
         x: ``[..., K]``, e.g. the attention block's output ``[1, T, K]``.
@@ -114,16 +170,25 @@ def add_rms_norm_linear(
         norm_weight: ``[K]``, the RMSNorm's weight.
         eps: the RMSNorm's epsilon.
         weight: ``[N, K]`` (``nn.Linear.weight``, no bias); any row stride.
+        cos, sin: ``[..., D]`` per token (x's leading dims), x's dtype: with them, the first
+            ``rope_cols`` output columns, taken as heads of ``D``, leave rotated as transformers'
+            ``apply_rotary_pos_emb`` rotates q and k (``out * cos + rotate_half(out) * sin``).
+        rope_cols: columns to rotate, a multiple of ``D`` (e.g. the q and k heads of a stacked
+            q/k/v projection); 0 without cos/sin.
 
     Returns:
-        ``(out, h)``: ``out = (rms_norm(h) * norm_weight) @ weight.T`` ``[..., N]`` and
-        ``h = x + residual`` ``[..., K]``, both in x's dtype. One row on CUDA (or under
-        ``TRITON_INTERPRET=1`` on float16/float32) is one Triton kernel that scales by the norm
-        after its sum (bfloat16 noise against the model's rounding); otherwise the model's math.
+        ``(out, h)``: ``out = (rms_norm(h) * norm_weight) @ weight.T`` ``[..., N]`` (rotated as
+        above) and ``h = x + residual`` ``[..., K]``, both in x's dtype. One row on CUDA (or
+        under ``TRITON_INTERPRET=1`` on float16/float32) is one Triton kernel that scales by the
+        norm after its sum (bfloat16 noise against the model's rounding) and rotates in its
+        epilogue (``D / 2`` a multiple of 4, ``N`` of ``D``); otherwise the model's math.
 
     Raises:
-        ValueError: shapes that do not match, tensors on different devices.
+        ValueError: shapes that do not match, cos without sin, a bad ``rope_cols``, tensors on
+            different devices.
         TypeError: dtypes differ.
     """
-    _check(x, residual, norm_weight, weight)
-    return torch.ops.paged_ops.add_rms_norm_linear.default(x, residual, norm_weight, eps, weight)
+    _check(x, residual, norm_weight, weight, cos, sin, rope_cols)
+    return torch.ops.paged_ops.add_rms_norm_linear.default(
+        x, residual, norm_weight, eps, weight, cos, sin, rope_cols
+    )

@@ -134,3 +134,110 @@ def test_opcheck(m):
         (x, residual, norm_weight, EPS, weight),
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
     )
+
+
+def rope_rows(shape: tuple[int, ...], d: int, dtype: torch.dtype, seed: int = 0):
+    """cos/sin rows ``[..., D]`` as transformers' rotary module gives them (angles of
+    ``position * inv_freq``, the frequencies repeated over the two halves)."""
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 4096, shape, generator=g).double()  # [...]
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2).double() / d)  # [D/2]
+    angles = positions[..., None] * inv_freq  # [..., D/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [..., D]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def float64_rotated(out, cos, sin, rope_cols):
+    """The rotation written out per pair (i, i + D/2) of each head, in float64."""
+    d, half = cos.shape[-1], cos.shape[-1] // 2
+    x, c, s = out.double(), cos.double(), sin.double()
+    rotated = x.clone()
+    for head in range(rope_cols // d):
+        i = head * d + torch.arange(half)
+        j = i + half
+        rotated[..., i] = x[..., i] * c[..., :half] - x[..., j] * s[..., :half]
+        rotated[..., j] = x[..., j] * c[..., half:] + x[..., i] * s[..., half:]
+    return rotated
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(("d", "heads"), [(8, (2, 1)), (16, (4, 2)), (64, (2, 1)), (20, (1, 1))])
+def test_one_row_rotates_the_query_and_key_heads_in_the_kernel(d, heads, dtype, monkeypatch):
+    # a stacked q/k/v projection: q heads and k heads rotated, the v heads not; D = 20 (D/2 not a
+    # multiple of 4) runs the projection in the kernel and rotates outside it
+    from paged_ops.backends import triton_norm_linear_kernels as kernels
+
+    calls = []
+    launch = kernels.add_rms_norm_gemv
+    monkeypatch.setattr(kernels, "add_rms_norm_gemv", lambda *a: calls.append(a[5]) or launch(*a))
+    q_heads, kv_heads = heads
+    n, rope_cols = (q_heads + 2 * kv_heads) * d, (q_heads + kv_heads) * d
+    x, residual, norm_weight, weight = make((1, 1, 72), n, dtype, seed=d)
+    cos, sin = rope_rows((1, 1), d, dtype, seed=d)
+    out, h = add_rms_norm_linear(x, residual, norm_weight, EPS, weight, cos, sin, rope_cols)
+    in_kernel = (d // 2) % 4 == 0
+    assert len(calls) == (1 if in_kernel else 0) and (not calls or calls[0] is not None)
+    projected, _ = float64_reference(x, residual, norm_weight, weight)
+    expected = float64_rotated(projected, cos, sin, rope_cols)
+    assert out.shape == expected.shape and torch.equal(h, x + residual)
+    scale = expected.abs().max().item() + 1
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2 * TOLERANCE[dtype] * scale)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("m", [2, 5])
+def test_several_rows_rotate_after_the_projection(m):
+    x, residual, norm_weight, weight = make((1, m, 48), 6 * 16, torch.float32, seed=m)
+    cos, sin = rope_rows((1, m), 16, torch.float32, seed=m)
+    out, _ = add_rms_norm_linear(x, residual, norm_weight, EPS, weight, cos, sin, 4 * 16)
+    projected, _ = float64_reference(x, residual, norm_weight, weight)
+    expected = float64_rotated(projected, cos, sin, 4 * 16)
+    scale = expected.abs().max().item() + 1
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5 * scale)
+
+
+def test_bfloat16_rotation_on_the_cpu_is_transformers_own():
+    pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    d, t = 16, 5
+    x, residual, norm_weight, weight = make((1, t, 64), 8 * d, torch.bfloat16, seed=6)
+    cos, sin = rope_rows((1, t), d, torch.bfloat16, seed=6)
+    out, _ = add_rms_norm_linear(x, residual, norm_weight, EPS, weight, cos, sin, 6 * d)
+    plain, _ = add_rms_norm_linear(x, residual, norm_weight, EPS, weight)
+    q, k, v = plain.split([4 * d, 2 * d, 2 * d], dim=-1)
+    q, k = (p.view(1, t, -1, d).transpose(1, 2) for p in (q, k))  # [1, H, T, D] as the model
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    expected = torch.cat([p.transpose(1, 2).reshape(1, t, -1) for p in (q, k)] + [v], dim=-1)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(sin=None), "cos and sin go together"),
+        (dict(cos=None, sin=None), "rope_cols=8 needs cos and sin"),
+        (dict(rope_cols=6), "rope_cols must be a multiple of the head size 4"),
+        (dict(rope_cols=12), r"rope_cols must be a multiple of the head size 4 in \(0, N = 8\]"),
+        (dict(cos=torch.ones(1, 2, 4), sin=torch.ones(1, 2, 4)), "cos and sin must be"),
+        (dict(cos=torch.ones(1, 1, 3), sin=torch.ones(1, 1, 3)), "an even D"),
+    ],
+)
+def test_bad_rotary_input_is_refused_naming_it(change, match):
+    args = dict(cos=torch.ones(1, 1, 4), sin=torch.zeros(1, 1, 4), rope_cols=8)
+    args.update(change)
+    x = torch.zeros(1, 1, 16)
+    with pytest.raises(ValueError, match=match):
+        add_rms_norm_linear(x, x, torch.ones(16), EPS, torch.zeros(8, 16), **args)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_opcheck_with_the_rotation(m):
+    x, residual, norm_weight, weight = make((1, m, 32), 4 * 8, torch.float32, seed=m)
+    cos, sin = rope_rows((1, m), 8, torch.float32, seed=m)
+    torch.library.opcheck(
+        torch.ops.paged_ops.add_rms_norm_linear.default,
+        (x, residual, norm_weight, EPS, weight, cos, sin, 16),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
+    )

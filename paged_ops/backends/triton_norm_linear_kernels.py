@@ -12,7 +12,10 @@ the GEMV:
   is), adds ``h^2`` to a running sum and ``W * (h * g)`` to the products; the norm's scale
   ``rsqrt(mean(h^2) + eps)`` is one number per row, so it multiplies the sum after the loop. No
   program waits for a norm before its first weight tile. Program 0 also stores ``h`` (the next
-  residual).
+  residual). With ``ROPE`` (a stacked q/k/v projection) a program owns ``BLOCK_N / 2`` rows of
+  a head's first half and their partners ``D / 2`` rows on, so that its epilogue rotates them as
+  transformers' ``apply_rotary_pos_emb`` does (``out * cos + rotate_half(out) * sin``, from the
+  projection rounded to the dtype) in place of the model's RoPE kernel.
 - :func:`add_rms_norm_kernel` (any ``M``): one program per row writes ``h`` and the normalised
   row, rounded as the model rounds it (``(h * rsqrt(...)).to(dtype) * g``); the projection
   then runs as ``small_linear``/``F.linear`` would.
@@ -36,17 +39,29 @@ def add_rms_norm_gemv_kernel(
     w_ptr,  # [N, K]
     out_ptr,  # [N]
     h_ptr,  # [K] x + residual, stored by program 0
+    cos_ptr,  # [HEAD_DIM] ROPE: the token's rotary cos row (else unused)
+    sin_ptr,  # [HEAD_DIM] ROPE: its sin row
     N,
     K,
     stride_wn,
     eps,
+    rope_cols,  # ROPE: output columns [0, rope_cols) are rotated per head (a multiple of HEAD_DIM)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
     NUM_STAGES: tl.constexpr,
+    ROPE: tl.constexpr,  # rotate the first rope_cols outputs (rotate-half RoPE of HEAD_DIM)
+    HEAD_DIM: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:  # BLOCK_N // 2 rows of a head's first half and their partners HEAD_DIM // 2 on
+        HALF: tl.constexpr = HEAD_DIM // 2
+        QUADS: tl.constexpr = HALF // (BLOCK_N // 2)  # programs per head
+        j = tl.arange(0, BLOCK_N)
+        first = (pid // QUADS) * HEAD_DIM + (pid % QUADS) * (BLOCK_N // 2)
+        offs_n = first + j % (BLOCK_N // 2) + tl.where(j < BLOCK_N // 2, 0, HALF)
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # padding rows repeat the last: no load masks
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
@@ -73,8 +88,20 @@ def add_rms_norm_gemv_kernel(
         acc += w.to(tl.float32) * (hf * g.to(tl.float32))[None, :]
         w_ptrs += BLOCK_K
     rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
-    out = tl.sum(acc, axis=1) * rstd  # [BLOCK_N]
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+    out = (tl.sum(acc, axis=1) * rstd).to(out_ptr.dtype.element_ty)  # [BLOCK_N] the projection
+    if ROPE:  # out * cos + rotate_half(out) * sin, from the rounded projection, as the model
+        half_rows: tl.constexpr = BLOCK_N // 2
+        pair = tl.reshape(out.to(tl.float32), (2, half_rows))  # [first half; its partners]
+        side = tl.arange(0, 2)[:, None]  # [2, 1]: 0 = first half
+        x1 = tl.sum(tl.where(side == 0, pair, 0.0), axis=0)  # [BLOCK_N // 2]
+        x2 = tl.sum(tl.where(side == 0, 0.0, pair), axis=0)
+        rotated = tl.where(side == 0, -x2[None, :], x1[None, :])  # rotate_half
+        cols = offs_n % HEAD_DIM
+        c = tl.reshape(tl.load(cos_ptr + cols).to(tl.float32), (2, half_rows))
+        s = tl.reshape(tl.load(sin_ptr + cols).to(tl.float32), (2, half_rows))
+        roped = tl.reshape(pair * c + rotated * s, (BLOCK_N,)).to(out_ptr.dtype.element_ty)
+        out = tl.where(offs_n < rope_cols, roped, out)
+    tl.store(out_ptr + offs_n, out, mask=offs_n < N)
 
 
 @triton.jit
@@ -116,21 +143,34 @@ def add_rms_norm_gemv(
     norm_weight: torch.Tensor,  # [K]
     eps: float,
     weight: torch.Tensor,  # [N, K], last stride 1
+    rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,  # cos [D], sin [D], rope_cols
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [1, N], h [1, K]
-    """One row: ``h = x + residual``, ``out = rms_norm(h) * norm_weight @ weight.T``, one launch.
-    Shapes, dtypes and strides are the caller's to check (``paged_ops.norm_linear``)."""
+    """One row: ``h = x + residual``, ``out = rms_norm(h) * norm_weight @ weight.T``, one launch;
+    with ``rope``, the first ``rope_cols`` outputs (whole heads of ``D``; ``N`` a multiple of
+    ``D``, ``D`` of :func:`rope_fits`) leave rotated: ``out * cos + rotate_half(out) * sin`` per
+    head. Shapes, dtypes and strides are the caller's to check (``paged_ops.norm_linear``)."""
     k = x.shape[1]
     n = weight.shape[0]
     block_k = min(GEMV_TILE_BYTES // x.element_size(), triton.next_power_of_2(k))
     out = torch.empty((1, n), device=x.device, dtype=x.dtype)  # [1, N]
     h = torch.empty((1, k), device=x.device, dtype=x.dtype)  # [1, K]
+    cos, sin, rope_cols = rope if rope is not None else (x, x, 0)
     grid = (triton.cdiv(n, GEMV_BLOCK_N),)
     add_rms_norm_gemv_kernel[grid](
-        x, residual, norm_weight, weight, out, h, n, k, weight.stride(0), eps,
-        BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, NUM_STAGES=GEMV_STAGES,
+        x, residual, norm_weight, weight, out, h, cos, sin, n, k, weight.stride(0), eps,
+        rope_cols, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        NUM_STAGES=GEMV_STAGES, ROPE=rope is not None,
+        HEAD_DIM=cos.shape[-1] if rope is not None else GEMV_BLOCK_N,
         num_warps=4, num_stages=GEMV_STAGES,
     )  # fmt: skip
     return out, h
+
+
+def rope_fits(n: int, head_dim: int) -> bool:
+    """Whether the one-row kernel can rotate an ``[N]`` output by heads of ``head_dim``: each
+    program owns ``GEMV_BLOCK_N // 2`` rows of a head's first half and their partners."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half % (GEMV_BLOCK_N // 2) == 0 and n % head_dim == 0
 
 
 def add_rms_norm(
