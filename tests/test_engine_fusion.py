@@ -10,7 +10,7 @@ import torch
 from hf_models import build_model, make_prompts
 from torch._dynamo.utils import counters
 
-from paged_ops.engine import fusion, norm_fusion
+from paged_ops.engine import fusion, mlp_fusion, norm_fusion, rope_fusion
 from paged_ops.metadata import SequenceSlice
 
 pytest.importorskip("transformers")
@@ -134,7 +134,12 @@ def test_small_linear_pass_reroutes_linears_up_to_a_width_with_the_same_logits(m
         seen["small"] = sum(
             n.target is torch.ops.paged_ops.small_linear.default for n in gm.graph.nodes
         )
-        seen["norm"] = sum(n.target is norm_fusion.norm_projections for n in gm.graph.nodes)
+        seen["norm"] = sum(
+            n.target in (norm_fusion.norm_projections, rope_fusion.norm_projections_rope)
+            for n in gm.graph.nodes
+        )
+        seen["rope"] = sum(n.target is rope_fusion.norm_projections_rope for n in gm.graph.nodes)
+        seen["mlp"] = sum(n.target is mlp_fusion.silu_mul_projection for n in gm.graph.nodes)
         from torch._dynamo import lookup_backend
 
         return lookup_backend("aot_eager")(gm, example_inputs)
@@ -150,10 +155,14 @@ def test_small_linear_pass_reroutes_linears_up_to_a_width_with_the_same_logits(m
     torch.testing.assert_close(run(compiled), reference, rtol=1e-4, atol=1e-4)
     # per layer: fused q/k/v, o, fused gate/up, down; then the head. The norms of a residual sum
     # (every one but layer 0's input norm and the final norm, which feeds the head through a
-    # slice) go into the projections that read them, within max_out_features
+    # slice) go into the projections that read them, within max_out_features; every down
+    # projection (64 rows) takes its SiLU-mul, and the norm-fed q/k/v projections (all but layer
+    # 0's) the rotation of q and k
     kept = 0 if max_out is None else num_layers
     fused = num_layers - 1 + (num_layers - kept)
-    assert seen == {"linear": kept, "small": 4 * num_layers + 1 - kept - fused, "norm": fused}
+    small = 4 * num_layers + 1 - kept - fused - num_layers
+    assert seen == {"linear": kept, "small": small, "norm": fused, "rope": num_layers - 1,
+                    "mlp": num_layers}  # fmt: skip
     assert rerouted == [seen["small"]] and norms == [fused]
 
 
@@ -220,9 +229,11 @@ def test_norm_fusion_in_the_engine_one_token_steps_with_eager_tokens(monkeypatch
     kernels = pytest.importorskip("paged_ops.backends.triton_norm_linear_kernels")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
-    launches: list[int] = []
+    launches: list[bool] = []  # per launch: whether it rotated q and k (rope_fusion)
     launch = kernels.add_rms_norm_gemv
-    monkeypatch.setattr(kernels, "add_rms_norm_gemv", lambda *a: launches.append(1) or launch(*a))
+    monkeypatch.setattr(
+        kernels, "add_rms_norm_gemv", lambda *a: launches.append(a[5] is not None) or launch(*a)
+    )
     monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
     torch._dynamo.reset()
     prompts, params = prompts_of([5, 3], seed=4), SamplingParams(max_new_tokens=4)
@@ -232,6 +243,7 @@ def test_norm_fusion_in_the_engine_one_token_steps_with_eager_tokens(monkeypatch
     counters.clear()
     fused = LLM(tiny_llama(seed=5), compile=True, small_linears=True, **kwargs)
     assert fused.runner.num_fused_norms == 3  # 2 layers: all but layer 0's input norm
+    assert fused.runner.num_fused_ropes == 1  # layer 1's q/k/v (layer 0's has no fused norm)
     assert counters["stats"]["unique_graphs"] == 1
     with torch._dynamo.config.patch(error_on_recompile=True):
         for prompt in prompts:  # one request at a time: its decode steps have one token
@@ -239,6 +251,7 @@ def test_norm_fusion_in_the_engine_one_token_steps_with_eager_tokens(monkeypatch
             tokens = fused.generate([prompt], params, use_tqdm=False)[0].token_ids
             assert tokens == eager.generate([prompt], params, use_tqdm=False)[0].token_ids
             assert len(launches) == 3 * 3  # 3 decode steps x the 3 fused norms
+            assert sum(launches) == 3  # layer 1's q/k/v, rotated in the kernel
         # prefills and two-token decode steps: the model's own add, norm and matmuls (the cond's
         # other branch); only a step left with one sequence launches the fused kernel
         launches.clear()
@@ -249,3 +262,114 @@ def test_norm_fusion_in_the_engine_one_token_steps_with_eager_tokens(monkeypatch
         one_token_steps = abs(len(both[0].token_ids) - len(both[1].token_ids))
         assert len(launches) == 3 * one_token_steps
     assert counters["stats"]["unique_graphs"] == 1  # nothing traced after the warm-up
+
+
+@pytest.mark.parametrize(
+    ("family", "stacked", "fused"),
+    [("llama", True, 1), ("phi3", False, 1), ("llama", False, 0), ("gemma2", True, 0)],
+    ids=["llama", "phi3", "llama_unstacked", "gemma2"],
+)
+def test_mlp_fusion_takes_silu_mlps_of_one_gate_up_tensor(family, stacked, fused):
+    # Llama's split of the stacked gate/up output and Phi-3's chunk of its gate_up_proj (up *
+    # act(gate)) match; gate and up of two unstacked projections, and Gemma 2's GELU, do not
+    model, _, _, run = patched_nine_token_step(family, seed=6)
+    reference = run(model)
+    if stacked:
+        fusion.stack_projection_weights(model)
+    mlps: list[int] = []
+    seen: list[int] = []
+
+    def inner(gm, example_inputs):
+        seen.append(sum(n.target is torch.nn.functional.silu for n in gm.graph.nodes))
+        from torch._dynamo import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    backend = fusion.compile_backend(inner, small_linears=True, on_mlps_fused=mlps.append)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    torch.testing.assert_close(run(compiled), reference, rtol=1e-4, atol=1e-4)
+    layers = model.config.num_hidden_layers
+    assert mlps == [fused * layers]
+    assert seen == [0 if family == "gemma2" else (1 - fused) * layers]  # SiLUs left in the graph
+
+
+def test_mlp_fusion_in_the_engine_one_token_steps_with_eager_tokens(monkeypatch):
+    # the compiled engine with small_linears: its one-token decode steps launch the GEMV with the
+    # SiLU-mul prologue (under the interpreter in CI), and greedy tokens equal eager's
+    from engine_models import prompts_of, tiny_llama
+
+    from paged_ops import LLM, SamplingParams
+    from paged_ops.engine import runner
+
+    kernels = pytest.importorskip("paged_ops.backends.triton_linear_kernels")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
+    launches: list[int] = []
+    launch = kernels.silu_mul_linear
+    monkeypatch.setattr(kernels, "silu_mul_linear", lambda *a: launches.append(1) or launch(*a))
+    monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    prompts, params = prompts_of([5, 3], seed=4), SamplingParams(max_new_tokens=4)
+    kwargs = dict(backend="reference", block_size=4, max_num_seqs=2, max_model_len=32,
+                  num_blocks=32)  # fmt: skip
+    eager = LLM(tiny_llama(seed=5), compile=False, **kwargs)
+    counters.clear()
+    fused = LLM(tiny_llama(seed=5), compile=True, small_linears=True, **kwargs)
+    assert fused.runner.num_fused_mlps == 2  # 2 layers
+    assert counters["stats"]["unique_graphs"] == 1
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompt in prompts:  # one request at a time: its decode steps have one token
+            launches.clear()  # (the warm-up ran one-token steps too)
+            tokens = fused.generate([prompt], params, use_tqdm=False)[0].token_ids
+            assert tokens == eager.generate([prompt], params, use_tqdm=False)[0].token_ids
+            assert len(launches) == 3 * 2  # 3 decode steps x 2 layers
+        # prefills and two-token decode steps: the model's SiLU-mul, then small_linear (the
+        # cond's other branch); only a step left with one sequence launches the fused kernel
+        launches.clear()
+        both = fused.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in both] == [
+            o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)
+        ]
+        one_token_steps = abs(len(both[0].token_ids) - len(both[1].token_ids))
+        assert len(launches) == 2 * one_token_steps
+    assert counters["stats"]["unique_graphs"] == 1  # nothing traced after the warm-up
+
+
+@pytest.mark.slow
+def test_mlp_fusion_under_inductor_splits_views_and_serves_both_branches(monkeypatch):
+    # Inductor (CPU) lowers the cond (its branches return 1-tuples: a bare tensor fails there,
+    # not under aot_eager): the one-token branch reads the two halves of the gate/up output as
+    # views, the other runs Inductor's SiLU-mul; one graph for T = 3, 1, 2, as the runner traces
+    from paged_ops.engine.regions import compile_step_function
+    from paged_ops.engine.runner import _dynamic_trace
+
+    kernels = pytest.importorskip("paged_ops.backends.triton_linear_kernels")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
+    launches: list[int] = []
+    launch = kernels.silu_mul_linear
+    monkeypatch.setattr(kernels, "silu_mul_linear", lambda *a: launches.append(1) or launch(*a))
+    torch.manual_seed(0)
+    width, hidden = 96, 48
+    w_gate_up = torch.randn(2 * width, hidden) / hidden**0.5  # [2I, H]
+    w_down = torch.randn(hidden, width) / width**0.5  # [H, I]
+
+    def mlp(x):  # x: [1, T, H], LlamaMLP over stacked gate/up weights
+        gate, up = torch.nn.functional.linear(x, w_gate_up).split([width, width], -1)
+        return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w_down) + x
+
+    mlps: list[int] = []
+    backend = fusion.compile_backend("inductor", fuse=False, small_linears=True,
+                                     on_mlps_fused=mlps.append)  # fmt: skip
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = compile_step_function(mlp, backend)
+    with _dynamic_trace():
+        for t in (3, 1, 2):
+            x = torch.randn(1, t, hidden)
+            torch._dynamo.mark_dynamic(x, 1)
+            launches.clear()
+            torch.testing.assert_close(compiled(x), mlp(x), rtol=1e-5, atol=1e-5)
+            assert len(launches) == (t == 1)
+    assert mlps == [1] and counters["stats"]["unique_graphs"] == 1

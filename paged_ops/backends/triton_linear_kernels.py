@@ -18,6 +18,13 @@ At decode time a model's linear layers stream their weights once per step for a 
   they write float32 partials ``[SPLIT_K, M, N]`` and a second kernel sums them in a fixed order
   (deterministic, no atomics), adds the bias and casts. It is for narrow, deep weights (down_proj:
   N=2048, K=8192) whose column blocks alone do not fill the GPU.
+- ``SILU_MUL`` (:func:`silu_mul_linear`, a gated MLP's down projection): the input is
+  ``silu(gate) * up``, formed from the two loaded tiles in registers (float32, rounded once to the
+  dtype, as Inductor's fused pointwise kernel rounds it) instead of loaded, so a decode step has
+  no SiLU-mul kernel (and launch boundary) of its own before the GEMV. Every column block reads
+  the gate and up of its K slice (from L2: at M=1 two input elements per ``BLOCK_N`` weights,
+  where a plain GEMV reads one) and recomputes their product, a few exponentials per thread and
+  K step.
 - ``PDL`` (``LinearConfig.pdl``, sm_90+): launched with programmatic dependent launch, a program
   asks L2 for its first weight lines, waits for the previous kernel (``griddepcontrol.wait``),
   then lets the next kernel launch. Measured in a decode step's chain of kernels, it changed
@@ -57,8 +64,20 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
+def _input_offsets(rows_m, offs_k, stride_m, stride_k, USE_DOT: tl.constexpr):
+    """Element offsets of an input tile: ``[BLOCK_K, BLOCK_M]`` for the dot path (x^T, the mma's
+    N side), ``[BLOCK_M, BLOCK_K]`` for the FMA path."""
+    if USE_DOT:
+        offs = rows_m[None, :] * stride_m + offs_k[:, None] * stride_k
+    else:
+        offs = rows_m[:, None] * stride_m + offs_k[None, :] * stride_k
+    return offs
+
+
+@triton.jit
 def small_linear_kernel(
-    x_ptr,  # [M, K]
+    x_ptr,  # [M, K]; the gate when SILU_MUL
+    up_ptr,  # [M, K] when SILU_MUL, else a dummy
     w_ptr,  # [N, K]
     b_ptr,  # [N] or a dummy when not HAS_BIAS
     out_ptr,  # [M, N] in x's dtype, or [SPLIT_K, M, N] float32 partials when SPLIT_K > 1
@@ -67,6 +86,8 @@ def small_linear_kernel(
     K,
     stride_xm,
     stride_xk,
+    stride_um,  # up's strides (unused without SILU_MUL)
+    stride_uk,
     stride_wn,
     stride_wk,
     k_per_split,  # a multiple of BLOCK_K
@@ -79,6 +100,7 @@ def small_linear_kernel(
     EVEN_K: tl.constexpr,  # K % (BLOCK_K * SPLIT_K) == 0: no K masks
     IEEE: tl.constexpr,  # float32 inputs: exact products (tl.dot would round them to TF32)
     NUM_STAGES: tl.constexpr,
+    SILU_MUL: tl.constexpr = False,  # the input is silu(x) * up
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
     PREFETCH_K: tl.constexpr = 0,  # PDL: K elements of each weight row asked of L2 before waiting
     LINE: tl.constexpr = 64,  # weight elements per 128-byte line
@@ -104,30 +126,39 @@ def small_linear_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     offs_k = k_start + tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
+    # input tiles: [BLOCK_K, BLOCK_M] on the dot path, [BLOCK_M, BLOCK_K] on the FMA path
+    x_ptrs = x_ptr + _input_offsets(rows_m, offs_k, stride_xm, stride_xk, USE_DOT)
+    if SILU_MUL:
+        up_ptrs = up_ptr + _input_offsets(rows_m, offs_k, stride_um, stride_uk, USE_DOT)
     if USE_DOT:
-        x_ptrs = x_ptr + rows_m[None, :] * stride_xm + offs_k[:, None] * stride_xk  # [BK, BM]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
-        x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
         # products summed over K only after the loop: no cross-thread reduction per tile
         acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k in tl.range(0, k_per_split, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             w = tl.load(w_ptrs)
             x = tl.load(x_ptrs)
+            if SILU_MUL:
+                up = tl.load(up_ptrs)
         else:
             k_ok = offs_k + k < K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            if USE_DOT:
-                x = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
-            else:
-                x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            x_ok = k_ok[:, None] if USE_DOT else k_ok[None, :]
+            x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+            if SILU_MUL:
+                up = tl.load(up_ptrs, mask=x_ok, other=0.0)  # silu(0) * 0: masked K adds 0
+        if SILU_MUL:
+            gate = x.to(tl.float32)
+            x = (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
         if USE_DOT:
             acc = tl.dot(w, x, acc, input_precision="ieee") if IEEE else tl.dot(w, x, acc)
         else:
             acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]  # [BN, BM, BK]
         w_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K * stride_xk
+        if SILU_MUL:
+            up_ptrs += BLOCK_K * stride_uk
     if not USE_DOT:
         acc = tl.sum(acc3, axis=2)  # [BLOCK_N, BLOCK_M]
     out_mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
@@ -253,6 +284,27 @@ def small_linear(
     Inputs are validated by :func:`paged_ops.linear.small_linear`; this is the raw launcher that
     benchmarks call with an explicit ``config`` to sweep launch choices.
     """
+    return _launch(x, None, weight, bias, config)
+
+
+def silu_mul_linear(
+    gate: torch.Tensor,  # [M, K], M <= 16
+    up: torch.Tensor,  # [M, K], any strides
+    weight: torch.Tensor,  # [N, K], any strides
+    config: LinearConfig | None = None,
+) -> torch.Tensor:  # [M, N], gate's dtype
+    """Launch the GEMV kernel with the ``SILU_MUL`` prologue: ``(silu(gate) * up) @ weight.T``,
+    shapes unchecked (:func:`paged_ops.mlp_linear.silu_mul_linear` validates them)."""
+    return _launch(gate, up, weight, None, config)
+
+
+def _launch(
+    x: torch.Tensor,  # [M, K]; the gate when up is given
+    up: torch.Tensor | None,  # [M, K], or None
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,  # [N]
+    config: LinearConfig | None,
+) -> torch.Tensor:  # [M, N], x's dtype
     m, k = x.shape
     n = weight.shape[0]
     if config is None:
@@ -270,13 +322,15 @@ def small_linear(
     target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     has_bias = bias is not None
     grid = (triton.cdiv(n, config.block_n), split)
+    up_strides = (0, 0) if up is None else up.stride()
     small_linear_kernel[grid](
-        x, weight, bias if has_bias else x, target,
-        m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), k_per_split,
+        x, x if up is None else up, weight, bias if has_bias else x, target,
+        m, n, k, x.stride(0), x.stride(1), *up_strides, weight.stride(0), weight.stride(1),
+        k_per_split,
         HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split, USE_DOT=config.use_dot, EVEN_K=k % step == 0,
-        IEEE=x.dtype == torch.float32, NUM_STAGES=config.num_stages, PDL=config.pdl,
-        PREFETCH_K=prefetch_k, LINE=line, num_warps=config.num_warps,
+        IEEE=x.dtype == torch.float32, NUM_STAGES=config.num_stages, SILU_MUL=up is not None,
+        PDL=config.pdl, PREFETCH_K=prefetch_k, LINE=line, num_warps=config.num_warps,
         num_stages=config.num_stages, **_pdl_launch(config.pdl),
     )  # fmt: skip
     if split > 1:

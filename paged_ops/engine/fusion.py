@@ -318,14 +318,21 @@ def compile_backend(
     on_rerouted: Callable[[int], None] | None = None,
     inductor_options: dict[str, Any] | None = None,
     on_norms_fused: Callable[[int], None] | None = None,
+    on_mlps_fused: Callable[[int], None] | None = None,
+    on_ropes_fused: Callable[[int], None] | None = None,
 ) -> Callable:
     """A ``torch.compile`` backend: :func:`fuse_linears` (``fuse``), then with ``small_linears``
     :func:`~paged_ops.engine.norm_fusion.fuse_norm_linears` (residual add + RMSNorm + the
-    projections that read it as one op) and :func:`route_small_linears`, then ``inner`` (Inductor
-    by default).
+    projections that read it as one op),
+    :func:`~paged_ops.engine.rope_fusion.fuse_rope_projections` (q and k's rotary embedding into
+    that q/k/v projection), :func:`~paged_ops.engine.mlp_fusion.fuse_silu_mul_linears` (a gated
+    MLP's SiLU-mul into its down projection) and :func:`route_small_linears`, then ``inner``
+    (Inductor by default).
 
     ``on_fused`` is told how many ``linear`` calls each compiled graph lost, ``on_rerouted`` how
-    many went to the small-batch op, ``on_norms_fused`` how many norms went into projections.
+    many went to the small-batch op, ``on_norms_fused`` how many norms went into projections,
+    ``on_mlps_fused`` how many SiLU-mul products went into down projections, ``on_ropes_fused``
+    how many q/k/v projections rotate q and k.
     While Inductor autotunes GEMMs (``max_autotune`` or
     ``max_autotune_gemm`` in ``torch._inductor.config`` when the graph is compiled), nothing is
     fused: its autotuner times each matmul on fresh inputs sized from the graph's own inputs, and a
@@ -343,11 +350,19 @@ def compile_backend(
             if on_fused is not None:
                 on_fused(removed)
         if small_linears:
+            from paged_ops.engine.mlp_fusion import fuse_silu_mul_linears
             from paged_ops.engine.norm_fusion import fuse_norm_linears
+            from paged_ops.engine.rope_fusion import fuse_rope_projections
 
             norms = fuse_norm_linears(gm, max_out_features)
             if on_norms_fused is not None:
                 on_norms_fused(norms)
+            ropes = fuse_rope_projections(gm)
+            if on_ropes_fused is not None:
+                on_ropes_fused(ropes)
+            mlps = fuse_silu_mul_linears(gm, max_out_features)
+            if on_mlps_fused is not None:
+                on_mlps_fused(mlps)
             rerouted = route_small_linears(gm, max_out_features)
             if on_rerouted is not None:
                 on_rerouted(rerouted)

@@ -214,6 +214,8 @@ class ModelRunner:
         self.num_fused_linears = 0  # linear calls removed from the compiled graph
         self.num_small_linears = 0  # linear calls sent through paged_ops::small_linear
         self.num_fused_norms = 0  # RMSNorms computed inside paged_ops::add_rms_norm_linear
+        self.num_fused_mlps = 0  # SiLU-mul products computed inside paged_ops::silu_mul_linear
+        self.num_fused_ropes = 0  # q/k/v projections rotating q and k (add_rms_norm_linear)
         # precompile_dir: the saved forward's path, the function it compiled (or None until the
         # first step), whether it was loaded (checked against eager at the first warm-up step)
         self.precompiled_path: Path | None = None
@@ -242,6 +244,8 @@ class ModelRunner:
                     max_out_features=SMALL_LINEAR_MAX_OUT,
                     on_rerouted=_weak(self._count_rerouted),
                     on_norms_fused=_weak(self._count_norms),
+                    on_mlps_fused=_weak(self._count_mlps),
+                    on_ropes_fused=_weak(self._count_ropes),
                     inductor_options=options,
                 )
             if compile_regions:  # each decoder layer compiled on its own (engine/regions.py)
@@ -367,6 +371,12 @@ class ModelRunner:
 
     def _count_norms(self, fused: int) -> None:
         self.num_fused_norms += fused
+
+    def _count_mlps(self, fused: int) -> None:
+        self.num_fused_mlps += fused
+
+    def _count_ropes(self, fused: int) -> None:
+        self.num_fused_ropes += fused
 
     def _model_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor

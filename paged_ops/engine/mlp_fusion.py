@@ -1,0 +1,178 @@
+"""Graph pass: a gated MLP's ``down_proj(silu(gate) * up)`` becomes one :func:`silu_mul_projection`
+call, which runs ``paged_ops::silu_mul_linear`` (:mod:`paged_ops.mlp_linear`) when the step
+has one token and the model's own ops otherwise.
+
+It matches transformers' ``LlamaMLP`` (and the families that copy it: Mistral, Qwen2/3, Granite,
+...; Phi-3's ``up * act(gate)`` of its one ``gate_up_proj`` as well) as Dynamo traces it, after
+:func:`~paged_ops.engine.fusion.fuse_linears` stacked gate and up (and, when it ran first,
+:func:`~paged_ops.engine.norm_fusion.fuse_norm_linears` put the norm into that projection)::
+
+    gate_up = linear(y, W_gate_up)                  # or getitem(norm_projections(...), 0)
+    split = torch.functional.split(gate_up, [I, I], -1)
+    gate, up = split[0], split[1]
+    silu = torch.nn.functional.silu(gate)
+    product = silu * up                             # its only user is the down projection
+    down = linear(product, W_down)                  # no bias, W_down within max_out_features
+
+and replaces ``down`` by the call's output; the product, the SiLU and the split go (Phi-3's
+``chunk(2, -1)`` is the same split). Gate and up must be the halves of one tensor: the call takes
+that tensor (without stacked weights they are two projections' outputs, left alone). In a
+one-token step (the batch-1 CUDA graph) the down GEMV forms ``silu(gate) * up`` from its loads,
+so the SiLU-mul kernel before it (and its launch boundary) is gone. Like the norm pass the call is
+a ``torch.ops.higher_order.cond`` on the step's token count, a size: the host picks the branch
+from the shapes (no device sync), a CUDA graph keeps the branch its step took, and the one graph
+serves every step. Steps of several tokens run what they ran before the pass: Inductor's SiLU-mul
+and ``paged_ops::small_linear`` (where :func:`~paged_ops.engine.fusion.route_small_linears` would
+have sent the down projection). Other activations (Gemma's GELU), a product with other users and a
+biased or wide down projection are left as they were.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from paged_ops.engine.fusion import _LINEAR_TARGETS, weight_rows
+
+# how a traced graph splits a tensor: (node.op, node.target)
+_SPLITS = {("call_function", torch.functional.split), ("call_method", "split")}
+_CHUNKS = {("call_function", torch.chunk), ("call_method", "chunk")}
+
+
+def _value(node: Any) -> Any:
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
+def _silu_input(node: Any) -> fx.Node | None:
+    """``F.silu(x)`` (not in place) with no other user than the product -> ``x``, else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target is not F.silu:
+        return None
+    if len(node.args) != 1 or node.kwargs not in ({}, {"inplace": False}) or len(node.users) != 1:
+        return None
+    return node.args[0] if isinstance(node.args[0], fx.Node) else None
+
+
+def _halves_of(gate: fx.Node, up: Any) -> fx.Node | None:
+    """``gate, up = x.split([I, I], -1)`` (or ``x.chunk(2, -1)``) -> ``x``, ``[..., 2I]``; else
+    None. Read from the halves' traced values: a stacked projection's output has none."""
+    if not all(isinstance(n, fx.Node) and n.target is operator.getitem for n in (gate, up)):
+        return None
+    parts = gate.args[0]
+    if not isinstance(parts, fx.Node) or up.args[0] is not parts:
+        return None
+    if (gate.args[1], up.args[1]) != (0, 1) or (parts.op, parts.target) not in _SPLITS | _CHUNKS:
+        return None
+    if len(parts.args) not in (2, 3) or set(parts.kwargs) - {"dim"}:
+        return None
+    source, how, *rest = parts.args
+    dim = rest[0] if rest else parts.kwargs.get("dim", 0)
+    gate_value, up_value = _value(gate), _value(up)
+    if not isinstance(gate_value, torch.Tensor) or not isinstance(up_value, torch.Tensor):
+        return None
+    width = gate_value.shape[-1]
+    if dim not in (-1, gate_value.dim() - 1) or up_value.shape != gate_value.shape:
+        return None
+    if not isinstance(source, fx.Node):
+        return None
+    if (parts.op, parts.target) in _CHUNKS:  # two chunks of one width: the two halves
+        return source if how == 2 else None
+    return source if isinstance(how, (list, tuple)) and list(how) == [width, width] else None
+
+
+def _match(down: fx.Node, max_out_features: int | None) -> tuple[fx.Node, ...] | None:
+    """``down = linear(silu(gate) * up, W)`` with gate and up the halves of ``gate_up`` ->
+    ``(product, silu, gate, up, gate_up, W)``, else None."""
+    if down.op != "call_function" or down.target not in _LINEAR_TARGETS or down.kwargs:
+        return None
+    if len(down.args) not in (2, 3) or down.args[2:] not in ((), (None,)):
+        return None
+    product, weight = down.args[:2]
+    if not isinstance(product, fx.Node) or not isinstance(weight, fx.Node):
+        return None
+    if product.op != "call_function" or product.target is not operator.mul or product.kwargs:
+        return None
+    if len(product.args) != 2 or set(product.users) != {down}:
+        return None
+    for silu, up in (product.args, product.args[::-1]):
+        gate = _silu_input(silu)
+        if gate is not None:
+            gate_up = _halves_of(gate, up)
+            if gate_up is not None:
+                break
+    else:
+        return None
+    rows = weight_rows(weight)
+    if rows is None or (max_out_features is not None and rows > max_out_features):
+        return None
+    gate_value, weight_value, down_value = (_value(n) for n in (gate, weight, down))
+    if not isinstance(weight_value, torch.Tensor) or not isinstance(down_value, torch.Tensor):
+        return None
+    if weight_value.dim() != 2 or weight_value.shape[1] != gate_value.shape[-1]:
+        return None
+    dtype = gate_value.dtype
+    if not dtype.is_floating_point or not dtype == weight_value.dtype == down_value.dtype:
+        return None
+    return product, silu, gate, up, gate_up, weight
+
+
+def _one_row(gate_up: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
+    """``silu_mul_projection``'s branch for one token: the fused op, one GEMV launch."""
+    gate, up = gate_up.chunk(2, -1)  # [..., I] each: views, nothing copied
+    return (torch.ops.paged_ops.silu_mul_linear.default(gate, up, weight),)
+
+
+def _rows(gate_up: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
+    """``silu_mul_projection``'s branch for more tokens: the model's SiLU-mul (Inductor fuses it
+    into one pointwise kernel) and the down projection as the small-linear pass routes it."""
+    gate, up = gate_up.chunk(2, -1)
+    return (torch.ops.paged_ops.small_linear.default(F.silu(gate) * up, weight, None),)
+
+
+def silu_mul_projection(
+    gate_up: torch.Tensor,  # [..., 2I] the gate projection's output, then the up projection's
+    weight: torch.Tensor,  # [N, I]
+) -> torch.Tensor:  # [..., N]
+    """What the pass puts in the graph: ``torch.cond`` on the step having one token, so that a
+    one-token step runs ``silu_mul_linear`` and every other step the model's SiLU-mul and then
+    ``small_linear``. The condition is on a size: the host picks the branch from the step's
+    shape (no device sync), and a CUDA graph keeps the one its step took. The operand is the
+    whole gate/up output, split inside each branch (``cond`` refuses operands that alias each
+    other, as its two halves do); the branches return a 1-tuple (Inductor's lowering of ``cond``
+    zips the branch outputs with the node's value)."""
+    rows = math.prod(gate_up.shape[:-1])
+    if not isinstance(rows, torch.SymInt):  # eager, concrete sizes
+        return (_one_row if rows == 1 else _rows)(gate_up, weight)[0]
+    return torch.ops.higher_order.cond(rows == 1, _one_row, _rows, (gate_up, weight))[0]
+
+
+def fuse_silu_mul_linears(gm: fx.GraphModule, max_out_features: int | None = None) -> int:
+    """Replace each matched ``linear(silu(gate) * up, W)`` by one :func:`silu_mul_projection`
+    call (see the module docstring); returns the projections fused."""
+    import paged_ops.linear  # noqa: F401  (registers the ops)
+    import paged_ops.mlp_linear  # noqa: F401
+
+    graph = gm.graph
+    fused = 0
+    for down in list(graph.nodes):
+        match = _match(down, max_out_features)
+        if match is None:
+            continue
+        product, silu, gate, up, gate_up, weight = match
+        parts = gate.args[0]
+        with graph.inserting_before(down):
+            call = graph.call_function(silu_mul_projection, (gate_up, weight))
+        call.meta["example_value"] = _value(down)
+        down.replace_all_uses_with(call)
+        for node in (down, product, silu, gate, up, parts):  # users before what they read
+            if not node.users:
+                graph.erase_node(node)
+        fused += 1
+    if fused:
+        graph.lint()
+        gm.recompile()
+    return fused
