@@ -1,9 +1,11 @@
 """``paged_ops::add_rms_norm_linear``: a decoder layer's residual add, RMSNorm and the projection
 that reads the norm, in one op: ``h = x + residual``, ``out = (rms_norm(h) * g) @ W^T``.
 
-The engine's graph pass (:func:`paged_ops.engine.norm_fusion.fuse_norm_linears`, with
-``LLM(small_linears=True)``) puts it where a Llama-style ``RMSNorm`` of a residual sum feeds
-projections. A step of one token runs one Triton kernel (the GEMV does the add and the norm:
+The engine's graph passes (:func:`paged_ops.engine.norm_fusion.fuse_norm_linears` and
+:func:`paged_ops.engine.rope_fusion.fuse_rope_projections`, with ``LLM(small_linears=...)``, on by
+default for CUDA models) put it where a Llama-style ``RMSNorm`` of a residual sum feeds
+projections, with ``cos``/``sin`` where that projection is a stacked q/k/v whose q and k are
+rotated next. A step of one token runs one Triton kernel (the GEMV does the add and the norm:
 :mod:`paged_ops.backends.triton_norm_linear_kernels`); more tokens run the add + norm kernel and
 then ``small_linear`` (a Triton GEMV up to 16 rows, else ``F.linear``). Without triton (or on a CPU
 without ``TRITON_INTERPRET=1``) it is the model's own math in torch. It is one opaque node for

@@ -268,11 +268,13 @@ class LLM:
         small_linears: with ``compile``, projections run through ``paged_ops.small_linear``: a
             Triton matrix-vector kernel for steps of up to 16 tokens, cuBLAS for larger steps and
             vocabulary heads; and in one-token steps a Llama-style residual add + RMSNorm goes
-            into the projections that read it (``paged_ops.add_rms_norm_linear``, behind a
-            ``cond`` on the step's size: other steps run the model's own add, norm and matmuls).
-            Default (None): on for a compiled CUDA model with triton installed and no tensor
-            parallelism (H200, 1B model: batch 1 939-948 vs 868-875 tok/s, 64 requests +3%;
-            benchmarks/NOTES.md section 26); off on the CPU.
+            into the projections that read it (``paged_ops.add_rms_norm_linear``), q and k's
+            RoPE into the q/k/v GEMV's epilogue and the MLP's SiLU-mul into the down GEMV
+            (``paged_ops.silu_mul_linear``), each behind a ``cond`` on the step's size: other
+            steps run the model's own ops. Default (None): on for a compiled CUDA model with
+            triton installed and no tensor parallelism (H200, 1B model: batch 1 980-983 vs
+            868-875 tok/s without, 64 requests +3%; benchmarks/NOTES.md section 26); off on the
+            CPU.
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward; identical layers are served
             by Inductor's and AOTAutograd's caches, so the first start compiles one layer's
