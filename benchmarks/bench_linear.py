@@ -7,6 +7,11 @@ timing helper, median of repeats) that cycles over copies of W totalling >= 256 
 matrices are read from HBM, not from the 50-60 MB L2. Shapes: Llama-3.2-1B and Llama-3.1-8B's fused
 q/k/v, o_proj, fused gate/up, down_proj (and the 1B lm_head), bfloat16.
 
+``--silu-mul`` times the down projections (layers named ``down``) as the engine's one-token steps
+run them since benchmarks/NOTES.md section 26: ``silu(gate) * up`` formed in the GEMV's loads
+(``silu_mul_linear``) against cuBLAS after Inductor's-style SiLU-mul (two kernels), with the input
+a ``[M, 2K]`` gate/up row; with ``--sweep`` the grid is swept on that kernel.
+
 ``--sweep`` times a pruned grid of launch configs per shape at M=1 and M=8 (coordinate search: column
 block x dot/FMA x split-K at the default K step, then the K step, then warps x stages around the two
 best) and stores the best config per shape and the default's time over the best's, so defaults can be
@@ -14,6 +19,8 @@ picked from one GPU run. ``--budget-s`` bounds the sweep's wall time (Triton com
 
     python benchmarks/bench_linear.py --out benchmarks/results/linear_h100.json
     python benchmarks/bench_linear.py --sweep --out benchmarks/results/linear_sweep_h100.json
+    python benchmarks/bench_linear.py --silu-mul --shapes 1b,8b --ms 1 --sweep --sweep-ms 1 \
+        --out benchmarks/results/linear_silu_sweep_h200.json
     TRITON_INTERPRET=1 python benchmarks/bench_linear.py --device cpu --shapes tiny --ms 1,5 \\
         --sweep --budget-s 60        # CPU smoke test of the script (float16, interpreter)
 """
@@ -51,17 +58,20 @@ SMEM_LIMIT = 220 * 1024  # H100/H200 opt-in shared memory per block, with some s
 class Case:
     """One shape at one M: the rotated weight copies, the input, and a timer for any callable."""
 
-    def __init__(self, n: int, k: int, m: int, dtype: torch.dtype, device: str, repeats: int):
+    def __init__(self, n: int, k: int, m: int, dtype: torch.dtype, device: str, repeats: int,
+                 silu_mul: bool = False):  # fmt: skip
         self.n, self.k, self.m, self.dtype, self.repeats = n, k, m, dtype, repeats
+        self.silu_mul = silu_mul  # x is a [M, 2K] gate/up row; the product feeds the GEMV
         size = dtype.itemsize
         copies = max(1, -(-ROTATE_BYTES // (n * k * size))) if device != "cpu" else 1
         self.weights = torch.randn(copies, n, k, device=device, dtype=dtype) / k**0.5  # [C, N, K]
-        self.x = torch.randn(m, k, device=device, dtype=dtype)  # [M, K]
-        self.bytes = (n * k + m * k + m * n) * size
+        width = 2 * k if silu_mul else k
+        self.x = torch.randn(m, width, device=device, dtype=dtype)  # [M, K] or [M, 2K]
+        self.bytes = (n * k + m * width + m * n) * size
         est = self.bytes / 3e12
         self.calls = 1 if device == "cpu" else max(copies, int(MIN_REGION_S / est) + 1)
 
-    def time_us(self, fn) -> float:  # noqa: ANN001 (fn(x [M, K], w [N, K]) -> [M, N])
+    def time_us(self, fn) -> float:  # noqa: ANN001 (fn(x [M, K or 2K], w [N, K]) -> [M, N])
         weights, x, calls = self.weights, self.x, self.calls
 
         def run() -> None:
@@ -74,8 +84,22 @@ class Case:
         return self.bytes / us / 1e6
 
 
-def triton_fn(config: LinearConfig | None):
+def triton_fn(config: LinearConfig | None, silu_mul: bool = False):
+    if silu_mul:  # x [M, 2K]: gate and up are its two halves (views)
+        return lambda x, w: kernels.silu_mul_linear(*x.chunk(2, -1), w, config=config)
     return lambda x, w: kernels.small_linear(x, w, None, config=config)
+
+
+def reference_fn(silu_mul: bool):
+    """cuBLAS, after the SiLU-mul kernel when ``silu_mul`` (what the step ran before the fold)."""
+    if silu_mul:
+        return lambda x, w: F.linear(_silu_mul(x), w)
+    return F.linear
+
+
+def _silu_mul(x: torch.Tensor) -> torch.Tensor:  # [M, 2K] -> [M, K], rounded once
+    gate, up = x.float().chunk(2, -1)
+    return (F.silu(gate) * up).to(x.dtype)
 
 
 def fits(config: LinearConfig, m: int, dtype: torch.dtype) -> bool:
@@ -101,7 +125,7 @@ def sweep_case(case: Case, num_sms: int, deadline: float) -> dict:
             if c in tried or not fits(c, m, dtype) or time.monotonic() > deadline:
                 continue
             try:
-                tried[c] = case.time_us(triton_fn(c))
+                tried[c] = case.time_us(triton_fn(c, case.silu_mul))
             except Exception as e:  # out of resources, compile errors: note it and go on
                 tried[c] = f"{type(e).__name__}: {e}"[:200]
 
@@ -148,10 +172,10 @@ def sweep_case(case: Case, num_sms: int, deadline: float) -> dict:
 def compare(case: Case, num_sms: int) -> dict:
     """cuBLAS vs the default Triton config on one shape and M, plus the max abs difference."""
     w = case.weights[0]
-    ours, ref = kernels.small_linear(case.x, w), F.linear(case.x, w)  # [M, N]
-    diff = (ours.float() - ref.float()).abs().max().item()
-    cublas_us = case.time_us(F.linear)
-    triton_us = case.time_us(triton_fn(None))
+    ours, ref = triton_fn(None, case.silu_mul)(case.x, w), reference_fn(case.silu_mul)(case.x, w)
+    diff = (ours.float() - ref.float()).abs().max().item()  # [M, N] each
+    cublas_us = case.time_us(reference_fn(case.silu_mul))
+    triton_us = case.time_us(triton_fn(None, case.silu_mul))
     return dict(
         N=case.n, K=case.k, M=case.m, copies=len(case.weights), calls=case.calls,
         mbytes=case.bytes / 1e6, cublas_us=cublas_us, cublas_tb_s=case.tb_s(cublas_us),
@@ -161,7 +185,7 @@ def compare(case: Case, num_sms: int) -> dict:
     )  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1b,8b", help=f"comma list of {sorted(SHAPES)}")
     parser.add_argument("--ms", default="1,2,4,8,16", help="rows (tokens) per call")
@@ -171,7 +195,10 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=300.0, help="wall-time cap of the sweep")
     parser.add_argument("--out", default="benchmarks/results/linear.json")
     parser.add_argument("--device", default="cuda", help="cuda; cpu = smoke test (interpreter)")
-    args = parser.parse_args()
+    parser.add_argument("--silu-mul", action="store_true",
+                        help="the down projections only, their input silu(gate) * up formed in "
+                             "the GEMV (cuBLAS after a SiLU-mul kernel as the reference)")  # fmt: skip
+    args = parser.parse_args(argv)
     ba.DEVICE = args.device  # the shared helper times wall clock without graphs on CPU
     dtype = torch.bfloat16 if args.device != "cpu" else torch.float16  # interpreter: no bf16 dots
     cuda = args.device != "cpu"
@@ -180,6 +207,7 @@ def main() -> None:
     import triton
 
     settings = dict(dtype=str(dtype), rotate_mib=ROTATE_BYTES >> 20, repeats=args.repeats,
+                    silu_mul=args.silu_mul,
                     timing="CUDA-graph replay of `calls` calls cycling over `copies` weight "
                            "copies (>= 256 MiB, > L2); median of repeats; bytes = W + x + y")  # fmt: skip
     out = dict(device=device_name, num_sms=num_sms, torch=torch.__version__,
@@ -197,9 +225,11 @@ def main() -> None:
     print(f"{'model':5} {'layer':8} {'N':>6} {'K':>5} {'M':>2} | {'cuBLAS us':>9} {'TB/s':>5} | "
           f"{'triton us':>9} {'TB/s':>5} | {'speedup':>7}  config")  # fmt: skip
     shapes = [(model, *s) for model in args.shapes.split(",") for s in SHAPES[model]]
+    if args.silu_mul:
+        shapes = [s for s in shapes if s[1] == "down"]
     for model, name, n, k in shapes:
         for m in (int(v) for v in args.ms.split(",")):
-            case = Case(n, k, m, dtype, args.device, args.repeats)
+            case = Case(n, k, m, dtype, args.device, args.repeats, args.silu_mul)
             r = dict(model=model, layer=name, **compare(case, num_sms))
             out["rows"].append(r)
             save()
@@ -221,7 +251,7 @@ def main() -> None:
         # up to twice an even share: the first cases compile kernels that later ones reuse
         remaining = args.budget_s - (time.monotonic() - start)
         deadline = min(start + args.budget_s, time.monotonic() + 2 * remaining / (len(cases) - i))
-        case = Case(n, k, m, dtype, args.device, args.repeats)
+        case = Case(n, k, m, dtype, args.device, args.repeats, args.silu_mul)
         r = dict(model=model, layer=name, **sweep_case(case, num_sms, deadline))
         out["sweep"].append(r)
         save()

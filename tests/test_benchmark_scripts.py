@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,21 @@ def test_probe_regional_compile_times_a_first_start_with_regions(tmp_path):
     assert result["graphs"] == 2 + 2  # the layers, the final norm, the greedy argmax
     assert result["fx_graph_cache"].get("fxgraph_cache_hit") == 1
     assert result["aot_autograd"].get("autograd_cache_hit") == 1
+
+
+def test_bench_linear_times_the_down_projection_with_its_silu_mul(tmp_path):
+    # the kernel the engine's one-token steps run for a gated MLP's down projection since NOTES
+    # section 26, against cuBLAS after a SiLU-mul; a short sweep on it (interpreter, tiny shape)
+    pytest.importorskip("triton")
+    out = tmp_path / "silu.json"
+    cmd = [sys.executable, str(BENCH / "bench_linear.py"), "--device", "cpu", "--shapes", "tiny",
+           "--ms", "1,3", "--silu-mul", "--sweep", "--sweep-ms", "1", "--budget-s", "20",
+           "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["settings"]["silu_mul"] is True
+    assert [(r["layer"], r["M"]) for r in result["rows"]] == [("down", 1), ("down", 3)]
+    assert all(r["max_abs_diff"] < 1e-2 for r in result["rows"])
+    assert result["sweep"][0]["layer"] == "down" and result["sweep"][0]["best_us"] > 0
