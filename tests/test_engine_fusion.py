@@ -218,22 +218,26 @@ def test_norm_fusion_takes_llama_style_norms_only(family, expected):
     assert norms == [2 * layers - 1 if expected == "2L-1" else 0]
 
 
-def test_norm_fusion_in_the_engine_one_token_steps_with_eager_tokens(monkeypatch):
+def test_norm_fusion_and_mlp_fusion_in_the_engine_one_token_steps_with_eager_tokens(monkeypatch):
     # the compiled engine with small_linears: its one-token decode steps launch the fused
-    # add + RMSNorm + GEMV kernel (under the interpreter in CI), and greedy tokens equal eager's
+    # add + RMSNorm + GEMV kernel (rotating q and k where rope_fusion placed it) and the GEMV with
+    # the SiLU-mul prologue (under the interpreter in CI), and greedy tokens equal eager's
     from engine_models import prompts_of, tiny_llama
 
     from paged_ops import LLM, SamplingParams
     from paged_ops.engine import runner
 
-    kernels = pytest.importorskip("paged_ops.backends.triton_norm_linear_kernels")
+    norm_kernels = pytest.importorskip("paged_ops.backends.triton_norm_linear_kernels")
+    linear_kernels = pytest.importorskip("paged_ops.backends.triton_linear_kernels")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
-    launches: list[bool] = []  # per launch: whether it rotated q and k (rope_fusion)
-    launch = kernels.add_rms_norm_gemv
-    monkeypatch.setattr(
-        kernels, "add_rms_norm_gemv", lambda *a: launches.append(a[5] is not None) or launch(*a)
-    )
+    norms: list[bool] = []  # per norm launch: whether it rotated q and k (rope_fusion)
+    mlps: list[int] = []
+    norm_launch, mlp_launch = norm_kernels.add_rms_norm_gemv, linear_kernels.silu_mul_linear
+    monkeypatch.setattr(norm_kernels, "add_rms_norm_gemv",
+                        lambda *a: norms.append(a[5] is not None) or norm_launch(*a))  # fmt: skip
+    monkeypatch.setattr(linear_kernels, "silu_mul_linear",
+                        lambda *a: mlps.append(1) or mlp_launch(*a))  # fmt: skip
     monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
     torch._dynamo.reset()
     prompts, params = prompts_of([5, 3], seed=4), SamplingParams(max_new_tokens=4)
@@ -244,23 +248,28 @@ def test_norm_fusion_in_the_engine_one_token_steps_with_eager_tokens(monkeypatch
     fused = LLM(tiny_llama(seed=5), compile=True, small_linears=True, **kwargs)
     assert fused.runner.num_fused_norms == 3  # 2 layers: all but layer 0's input norm
     assert fused.runner.num_fused_ropes == 1  # layer 1's q/k/v (layer 0's has no fused norm)
+    assert fused.runner.num_fused_mlps == 2  # 2 layers
     assert counters["stats"]["unique_graphs"] == 1
     with torch._dynamo.config.patch(error_on_recompile=True):
         for prompt in prompts:  # one request at a time: its decode steps have one token
-            launches.clear()  # (the warm-up ran one-token steps too)
+            norms.clear()  # (the warm-up ran one-token steps too)
+            mlps.clear()
             tokens = fused.generate([prompt], params, use_tqdm=False)[0].token_ids
             assert tokens == eager.generate([prompt], params, use_tqdm=False)[0].token_ids
-            assert len(launches) == 3 * 3  # 3 decode steps x the 3 fused norms
-            assert sum(launches) == 3  # layer 1's q/k/v, rotated in the kernel
-        # prefills and two-token decode steps: the model's own add, norm and matmuls (the cond's
-        # other branch); only a step left with one sequence launches the fused kernel
-        launches.clear()
+            assert len(norms) == 3 * 3  # 3 decode steps x the 3 fused norms
+            assert sum(norms) == 3  # layer 1's q/k/v, rotated in the kernel
+            assert len(mlps) == 3 * 2  # 3 decode steps x 2 layers
+        # prefills and two-token decode steps: the model's own add, norm, matmuls and SiLU-mul
+        # (the conds' other branches); only a step left with one sequence launches the kernels
+        norms.clear()
+        mlps.clear()
         both = fused.generate(prompts, params, use_tqdm=False)
         assert [o.token_ids for o in both] == [
             o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)
         ]
         one_token_steps = abs(len(both[0].token_ids) - len(both[1].token_ids))
-        assert len(launches) == 3 * one_token_steps
+        assert len(norms) == 3 * one_token_steps
+        assert len(mlps) == 2 * one_token_steps
     assert counters["stats"]["unique_graphs"] == 1  # nothing traced after the warm-up
 
 
@@ -292,48 +301,6 @@ def test_mlp_fusion_takes_silu_mlps_of_one_gate_up_tensor(family, stacked, fused
     layers = model.config.num_hidden_layers
     assert mlps == [fused * layers]
     assert seen == [0 if family == "gemma2" else (1 - fused) * layers]  # SiLUs left in the graph
-
-
-def test_mlp_fusion_in_the_engine_one_token_steps_with_eager_tokens(monkeypatch):
-    # the compiled engine with small_linears: its one-token decode steps launch the GEMV with the
-    # SiLU-mul prologue (under the interpreter in CI), and greedy tokens equal eager's
-    from engine_models import prompts_of, tiny_llama
-
-    from paged_ops import LLM, SamplingParams
-    from paged_ops.engine import runner
-
-    kernels = pytest.importorskip("paged_ops.backends.triton_linear_kernels")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
-    launches: list[int] = []
-    launch = kernels.silu_mul_linear
-    monkeypatch.setattr(kernels, "silu_mul_linear", lambda *a: launches.append(1) or launch(*a))
-    monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
-    torch._dynamo.reset()
-    prompts, params = prompts_of([5, 3], seed=4), SamplingParams(max_new_tokens=4)
-    kwargs = dict(backend="reference", block_size=4, max_num_seqs=2, max_model_len=32,
-                  num_blocks=32)  # fmt: skip
-    eager = LLM(tiny_llama(seed=5), compile=False, **kwargs)
-    counters.clear()
-    fused = LLM(tiny_llama(seed=5), compile=True, small_linears=True, **kwargs)
-    assert fused.runner.num_fused_mlps == 2  # 2 layers
-    assert counters["stats"]["unique_graphs"] == 1
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for prompt in prompts:  # one request at a time: its decode steps have one token
-            launches.clear()  # (the warm-up ran one-token steps too)
-            tokens = fused.generate([prompt], params, use_tqdm=False)[0].token_ids
-            assert tokens == eager.generate([prompt], params, use_tqdm=False)[0].token_ids
-            assert len(launches) == 3 * 2  # 3 decode steps x 2 layers
-        # prefills and two-token decode steps: the model's SiLU-mul, then small_linear (the
-        # cond's other branch); only a step left with one sequence launches the fused kernel
-        launches.clear()
-        both = fused.generate(prompts, params, use_tqdm=False)
-        assert [o.token_ids for o in both] == [
-            o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)
-        ]
-        one_token_steps = abs(len(both[0].token_ids) - len(both[1].token_ids))
-        assert len(launches) == 2 * one_token_steps
-    assert counters["stats"]["unique_graphs"] == 1  # nothing traced after the warm-up
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ tensor after the model was compiled would make the fused matmul read the wrong m
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -266,6 +267,24 @@ def weight_rows(w: Any) -> int | None:
     if rows is None and getattr(w, "target", None) == torch.as_strided:
         rows = w.args[1][0]  # as_strided(w, (rows, K), ...)
     return rows
+
+
+def cond_on_one_token(
+    tokens: torch.Tensor,  # [..., K]: its leading dims count the step's tokens
+    one_token: Callable[..., tuple],
+    other: Callable[..., tuple],
+    operands: tuple,
+) -> tuple:
+    """``one_token(*operands)`` in a step of one token, ``other(*operands)`` otherwise: the graph
+    passes' fused branch (the batch-1 graph) against the model's own ops. Traced with symbolic
+    sizes it is a ``torch.ops.higher_order.cond`` on that size: the host picks the branch from
+    the shapes (no device sync), a CUDA graph keeps the branch its step took, and one compiled
+    graph serves every step. With concrete sizes (eager) it is a plain call. Both branches
+    return tuples of tensors (Inductor's lowering of ``cond`` needs them)."""
+    rows = math.prod(tokens.shape[:-1])
+    if not isinstance(rows, torch.SymInt):  # eager, concrete sizes
+        return (one_token if rows == 1 else other)(*operands)
+    return torch.ops.higher_order.cond(rows == 1, one_token, other, operands)
 
 
 def route_small_linears(gm: fx.GraphModule, max_out_features: int | None = None) -> int:

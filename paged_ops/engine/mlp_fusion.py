@@ -29,7 +29,6 @@ biased or wide down projection are left as they were.
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Any
 
@@ -37,15 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from paged_ops.engine.fusion import _LINEAR_TARGETS, weight_rows
+from paged_ops.engine.fusion import _LINEAR_TARGETS, cond_on_one_token, weight_rows
+from paged_ops.engine.norm_fusion import _value
 
 # how a traced graph splits a tensor: (node.op, node.target)
 _SPLITS = {("call_function", torch.functional.split), ("call_method", "split")}
 _CHUNKS = {("call_function", torch.chunk), ("call_method", "chunk")}
-
-
-def _value(node: Any) -> Any:
-    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
 def _silu_input(node: Any) -> fx.Node | None:
@@ -137,17 +133,12 @@ def silu_mul_projection(
     gate_up: torch.Tensor,  # [..., 2I] the gate projection's output, then the up projection's
     weight: torch.Tensor,  # [N, I]
 ) -> torch.Tensor:  # [..., N]
-    """What the pass puts in the graph: ``torch.cond`` on the step having one token, so that a
+    """What the pass puts in the graph (:func:`~paged_ops.engine.fusion.cond_on_one_token`): a
     one-token step runs ``silu_mul_linear`` and every other step the model's SiLU-mul and then
-    ``small_linear``. The condition is on a size: the host picks the branch from the step's
-    shape (no device sync), and a CUDA graph keeps the one its step took. The operand is the
-    whole gate/up output, split inside each branch (``cond`` refuses operands that alias each
-    other, as its two halves do); the branches return a 1-tuple (Inductor's lowering of ``cond``
-    zips the branch outputs with the node's value)."""
-    rows = math.prod(gate_up.shape[:-1])
-    if not isinstance(rows, torch.SymInt):  # eager, concrete sizes
-        return (_one_row if rows == 1 else _rows)(gate_up, weight)[0]
-    return torch.ops.higher_order.cond(rows == 1, _one_row, _rows, (gate_up, weight))[0]
+    ``small_linear``. The operand is the whole gate/up output, split inside each branch
+    (``cond`` refuses operands that alias each other, as its two halves do); the branches return
+    a 1-tuple (Inductor's lowering of ``cond`` zips the branch outputs with the node's value)."""
+    return cond_on_one_token(gate_up, _one_row, _rows, (gate_up, weight))[0]
 
 
 def fuse_silu_mul_linears(gm: fx.GraphModule, max_out_features: int | None = None) -> int:

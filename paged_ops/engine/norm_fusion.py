@@ -27,7 +27,6 @@ the norm after the sum).
 from __future__ import annotations
 
 import functools
-import math
 import operator
 from typing import Any
 
@@ -35,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from paged_ops.engine.fusion import _LINEAR_TARGETS, weight_rows
+from paged_ops.engine.fusion import _LINEAR_TARGETS, cond_on_one_token, weight_rows
 
 
 def _value(node: Any) -> Any:
@@ -153,16 +152,11 @@ def norm_projections(
     eps: float,
     *weights: torch.Tensor,  # [N_i, K] each
 ) -> tuple[torch.Tensor, ...]:  # out_i [..., N_i] each, then h = a + b [..., K]
-    """What the pass puts in the graph: ``torch.cond`` on the step having one token, so that a
+    """What the pass puts in the graph (:func:`~paged_ops.engine.fusion.cond_on_one_token`): a
     one-token step (the batch-1 graph) runs ``add_rms_norm_linear`` and every other step runs
-    the model's own add, norm and matmuls, compiled as before. The condition is on a size: the
-    host picks the branch from the step's shape (no device sync), and a CUDA graph keeps the one
-    its step took."""
-    rows = math.prod(a.shape[:-1])
+    the model's own add, norm and matmuls, compiled as before."""
     one_row, more_rows = functools.partial(_one_row, eps), functools.partial(_rows, eps)
-    if not isinstance(rows, torch.SymInt):  # eager, concrete sizes
-        return one_row(a, b, g, *weights) if rows == 1 else more_rows(a, b, g, *weights)
-    return torch.ops.higher_order.cond(rows == 1, one_row, more_rows, (a, b, g, *weights))
+    return cond_on_one_token(a, one_row, more_rows, (a, b, g, *weights))
 
 
 def fuse_norm_linears(gm: fx.GraphModule, max_out_features: int | None = None) -> int:

@@ -24,13 +24,13 @@ and the rotation as in Qwen3, interleaved rotations, a ``cos`` of another dtype)
 from __future__ import annotations
 
 import functools
-import math
 import operator
 from typing import Any
 
 import torch
 from torch import fx
 
+from paged_ops.engine.fusion import cond_on_one_token
 from paged_ops.engine.norm_fusion import _call, _other, _rows, _value, norm_projections
 from paged_ops.norm_linear import rotate
 
@@ -61,15 +61,11 @@ def norm_projections_rope(
     weight: torch.Tensor,  # [N, K] the stacked q/k/v weight
 ) -> tuple[torch.Tensor, torch.Tensor]:  # qkv [..., N] with q and k rotated, h = a + b [..., K]
     """:func:`~paged_ops.engine.norm_fusion.norm_projections` of one stacked q/k/v weight with
-    its first ``rope_cols`` columns (the q and k heads) rotated by ``cos``/``sin``: a
-    ``torch.ops.higher_order.cond`` on the step having one token, as there."""
-    rows = math.prod(a.shape[:-1])
+    its first ``rope_cols`` columns (the q and k heads) rotated by ``cos``/``sin``, behind the
+    same :func:`~paged_ops.engine.fusion.cond_on_one_token`."""
     one_row = functools.partial(_one_row_rope, eps, rope_cols)
     more_rows = functools.partial(_rows_rope, eps, rope_cols)
-    operands = (a, b, g, cos, sin, weight)
-    if not isinstance(rows, torch.SymInt):  # eager, concrete sizes
-        return one_row(*operands) if rows == 1 else more_rows(*operands)
-    return torch.ops.higher_order.cond(rows == 1, one_row, more_rows, operands)
+    return cond_on_one_token(a, one_row, more_rows, (a, b, g, cos, sin, weight))
 
 
 def _sole_user(node: fx.Node) -> fx.Node | None:
