@@ -101,6 +101,8 @@ def profile_batch(llm, cfg, b: int, prompt_len: int, new_tokens: int, replays: i
         row["decode_graph"] = dict(bucket=bucket, replays=replays,
                                    context=prompt_len + new_tokens,
                                    **kernel_table(prof, replays, cuda))  # fmt: skip
+        if cuda:
+            row["decode_graph"]["sequence"] = replay_sequence(prof, replays)
         llm.pa.allocator.free(blocks)
     return row
 
@@ -140,6 +142,28 @@ def kernel_table(prof, steps: int, cuda: bool) -> dict:
                 top_kernels={k: [dict(us_per_step=round(u, 2), calls_per_step=round(c, 2), name=n)
                                  for u, c, n in sorted(v, reverse=True)]
                              for k, v in kernels.items()})  # fmt: skip
+
+
+def replay_sequence(prof, replays: int) -> list[dict]:
+    """One graph replay's kernels in launch order (printed and returned): for each position the
+    median duration and the median idle time before it over ``replays`` profiled replays."""
+    spans = kernel_intervals(prof)
+    per = len(spans) // max(replays, 1)
+    if not per or per * replays != len(spans):
+        print(f"  sequence: {len(spans)} kernels over {replays} replays do not split evenly")
+        return []
+    rows = []
+    for i in range(per):
+        durs = sorted(spans[r * per + i][1] - spans[r * per + i][0] for r in range(replays))
+        gaps = sorted(spans[r * per + i][0] - spans[r * per + i - 1][1] if i else 0
+                      for r in range(replays))  # fmt: skip
+        rows.append(dict(name=spans[i][2][:80], us=durs[replays // 2] / 1e3,
+                         gap_us=max(gaps[replays // 2], 0) / 1e3))  # fmt: skip
+    total, idle = sum(r["us"] for r in rows), sum(r["gap_us"] for r in rows)
+    print(f"  one replay in order: {per} kernels, {total:.1f} us busy, {idle:.1f} us between them")
+    for i, r in enumerate(rows):
+        print(f"    {i:4d} {r['us']:7.2f} us  gap {r['gap_us']:5.2f}  {r['name'][:70]}")
+    return rows
 
 
 GAP_BINS_US = (2, 10, 50, 200, 1000)  # gap size classes: < 2 us, 2-10, ..., >= 1000
