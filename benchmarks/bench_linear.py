@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-s", type=float, default=300.0, help="wall-time cap of the sweep")
     parser.add_argument("--out", default="benchmarks/results/linear.json")
     parser.add_argument("--device", default="cuda", help="cuda; cpu = smoke test (interpreter)")
+    parser.add_argument("--layers", default=None,
+                        help="comma list of layer names to keep (e.g. o_proj,down)")  # fmt: skip
     parser.add_argument("--silu-mul", action="store_true",
                         help="the down projections only, their input silu(gate) * up formed in "
                              "the GEMV (cuBLAS after a SiLU-mul kernel as the reference)")  # fmt: skip
@@ -227,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [(model, *s) for model in args.shapes.split(",") for s in SHAPES[model]]
     if args.silu_mul:
         shapes = [s for s in shapes if s[1] == "down"]
+    if args.layers:
+        shapes = [s for s in shapes if s[1] in args.layers.split(",")]
     for model, name, n, k in shapes:
         for m in (int(v) for v in args.ms.split(",")):
             case = Case(n, k, m, dtype, args.device, args.repeats, args.silu_mul)
