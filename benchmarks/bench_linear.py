@@ -117,7 +117,7 @@ def fits(config: LinearConfig, m: int, dtype: torch.dtype) -> bool:
 def sweep_case(case: Case, num_sms: int, deadline: float) -> dict:
     """Coordinate search over launch configs for one shape and M; returns best vs default."""
     m, n, k, dtype = case.m, case.n, case.k, case.dtype
-    default = kernels.linear_config(m, n, k, dtype, num_sms)
+    default = kernels.linear_config(m, n, k, dtype, num_sms, silu_mul=case.silu_mul)
     tried: dict[LinearConfig, float | str] = {}
 
     def measure(configs: list[LinearConfig]) -> None:
@@ -181,7 +181,8 @@ def compare(case: Case, num_sms: int) -> dict:
         mbytes=case.bytes / 1e6, cublas_us=cublas_us, cublas_tb_s=case.tb_s(cublas_us),
         triton_us=triton_us, triton_tb_s=case.tb_s(triton_us), speedup=cublas_us / triton_us,
         max_abs_diff=diff,
-        config=dataclasses.asdict(kernels.linear_config(case.m, case.n, case.k, case.dtype, num_sms)),
+        config=dataclasses.asdict(kernels.linear_config(case.m, case.n, case.k, case.dtype, num_sms,
+                                                        silu_mul=case.silu_mul)),
     )  # fmt: skip
 
 

@@ -120,6 +120,15 @@ def test_default_configs_come_from_shapes():
             assert (config.use_dot, config.block_n) == (True, 64)
             assert (config.split_k, config.block_k) == ((4, 128) if k == 8192 else (1, 256))
     assert linear_config(1, 96, 40, torch.float32, 132).block_k == 64  # capped by K's power of 2
+    # with the SiLU-mul prologue one row is not split (the H200 sweep of NOTES.md section 27)
+    for n, k in [(2048, 8192), (4096, 14336), (40, 264)]:
+        config = linear_config(1, n, k, torch.bfloat16, 132, silu_mul=True)
+        config.check()
+        assert (config.use_dot, config.block_n, config.split_k, config.num_stages) == (
+            False, 16, 1, 4)  # fmt: skip
+        assert config.fma_regs(1) <= 128
+        assert linear_config(4, n, k, torch.bfloat16, 132, silu_mul=True) == linear_config(
+            4, n, k, torch.bfloat16, 132)  # fmt: skip
 
 
 def test_opcheck():

@@ -242,7 +242,9 @@ class LinearConfig:
             )
 
 
-def linear_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> LinearConfig:
+def linear_config(
+    m: int, n: int, k: int, dtype: torch.dtype, num_sms: int, silu_mul: bool = False
+) -> LinearConfig:
     """Default launch choices for ``x[m, k] @ W[n, k]^T`` on a GPU with ``num_sms`` SMs.
 
     From the H100 sweep (benchmarks/results/linear_sweep_h100.json, 1B shapes at M=1 and M=8): the
@@ -253,11 +255,18 @@ def linear_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> L
     the sum deferred to after the loop: 8-row weight tiles, 1 KiB of each row per step, 3 stages
     (H100, a 16-layer 1B chain in one CUDA graph, benchmarks/NOTES.md section 22: 957.8 us vs
     cuBLAS 1,006.2 and the dot path's 1,017.0). At two or more rows it loses to the dot path.
+    With the ``SILU_MUL`` prologue (``silu_mul``: the down projection of a gated MLP) one row
+    takes no split and 16-row tiles with 4 stages: each split's programs form the SiLU-mul of
+    their K slice from two input tiles, and the partials' round trip and reduce launch cost more
+    than the extra programs gain (H200, the 1B's 2048 x 8192 down projection: 14.1 us with the
+    split-in-4 rule and its reduce, 11.3 us; benchmarks/NOTES.md section 27).
     ``num_sms`` is kept for callers (and a future rule); the sweeps found no use for it.
     """
     del num_sms
     if m == 1 and n <= 32768:
         block_k = min(1024 // dtype.itemsize, max(16, triton.next_power_of_2(k)))
+        if silu_mul:
+            return LinearConfig(block_n=16, block_k=block_k, split_k=1, num_stages=4, use_dot=False)
         split = 4 if k >= 8192 else 1
         return LinearConfig(block_n=8, block_k=block_k, split_k=split, num_stages=3, use_dot=False)
     deep = k >= 8192
@@ -308,7 +317,7 @@ def _launch(
     m, k = x.shape
     n = weight.shape[0]
     if config is None:
-        config = linear_config(m, n, k, x.dtype, num_sms_of(x.device))
+        config = linear_config(m, n, k, x.dtype, num_sms_of(x.device), silu_mul=up is not None)
     config.check()
     if x.device.type != "cuda":  # the interpreter has no grid dependency control
         config = replace(config, pdl=False, prefetch_k=0)
