@@ -48,17 +48,3 @@ def num_sms_of(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def one_row_pdl(device: torch.device) -> bool:
-    """Whether one-row GEMVs launch with programmatic dependent launch: a CUDA device of compute
-    capability 9.0 or newer (``griddepcontrol``) and ``PAGED_OPS_PDL=1``."""
-    if device.type != "cuda" or os.environ.get("PAGED_OPS_PDL", "0") != "1":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index)[0] >= 9

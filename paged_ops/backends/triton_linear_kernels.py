@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_ops.triton_dispatch import num_sms_of, one_row_pdl
+from paged_ops.triton_dispatch import num_sms_of
 
 SMEM_BUDGET = 128 * 1024  # bytes of pipelined stage buffers the default configs stay under
 
@@ -318,8 +318,6 @@ def _launch(
     n = weight.shape[0]
     if config is None:
         config = linear_config(m, n, k, x.dtype, num_sms_of(x.device), silu_mul=up is not None)
-        if m == 1 and one_row_pdl(x.device):  # the first K step of each row asked of L2 early
-            config = replace(config, pdl=True, prefetch_k=config.block_k)
     config.check()
     if x.device.type != "cuda":  # the interpreter has no grid dependency control
         config = replace(config, pdl=False, prefetch_k=0)

@@ -30,9 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_ops.backends.triton_linear_kernels import _pdl_launch, _prefetch_l2
-from paged_ops.triton_dispatch import one_row_pdl
-
 
 @triton.jit
 def add_rms_norm_gemv_kernel(
@@ -55,8 +52,6 @@ def add_rms_norm_gemv_kernel(
     NUM_STAGES: tl.constexpr,
     ROPE: tl.constexpr,  # rotate the first rope_cols outputs (rotate-half RoPE of HEAD_DIM)
     HEAD_DIM: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
-    LINE: tl.constexpr = 64,  # PDL: weight elements per 128-byte line
 ):
     pid = tl.program_id(0)
     if ROPE:  # BLOCK_N // 2 rows of a head's first half and their partners HEAD_DIM // 2 on
@@ -70,15 +65,6 @@ def add_rms_norm_gemv_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # padding rows repeat the last: no load masks
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    if PDL:
-        # The weights do not depend on the kernel before this one: ask L2 for the first K step
-        # of this program's rows while it finishes, wait for its output (x, residual) to be
-        # visible, then let the next kernel launch (it waits for this one the same way).
-        lines = tl.arange(0, BLOCK_K // LINE) * LINE  # [BLOCK_K / LINE]
-        _prefetch_l2(w_ptr + rows[:, None] * stride_wn + lines[None, :],
-                     (lines < K)[None, :] & (offs_n < N)[:, None])  # fmt: skip
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # summed over K after the loop
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     h_end = tl.where(pid == 0, K, 0)  # program 0 stores h
@@ -170,14 +156,12 @@ def add_rms_norm_gemv(
     h = torch.empty((1, k), device=x.device, dtype=x.dtype)  # [1, K]
     cos, sin, rope_cols = rope if rope is not None else (x, x, 0)
     grid = (triton.cdiv(n, GEMV_BLOCK_N),)
-    pdl = one_row_pdl(x.device)
     add_rms_norm_gemv_kernel[grid](
         x, residual, norm_weight, weight, out, h, cos, sin, n, k, weight.stride(0), eps,
         rope_cols, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         NUM_STAGES=GEMV_STAGES, ROPE=rope is not None,
         HEAD_DIM=cos.shape[-1] if rope is not None else GEMV_BLOCK_N,
-        PDL=pdl, LINE=max(1, min(block_k, 128 // weight.element_size())),
-        num_warps=4, num_stages=GEMV_STAGES, **_pdl_launch(pdl),
+        num_warps=4, num_stages=GEMV_STAGES,
     )  # fmt: skip
     return out, h
 
