@@ -3,8 +3,9 @@
 
 The engine's graph pass (:func:`paged_ops.engine.mlp_fusion.fuse_silu_mul_linears`, with
 ``LLM(small_linears=...)``, on by default for CUDA models) puts it where a Llama-style MLP's
-``down_proj(act(gate) * up)`` reads the two halves of the gate/up projection. Up to ``SMALL_M_MAX`` (16) rows it is one launch of
-``small_linear``'s GEMV kernel (and its split-K reduce) with the ``SILU_MUL`` prologue
+``down_proj(act(gate) * up)`` reads the two halves of the gate/up projection. Up to ``SMALL_M_MAX``
+(16) rows it is one launch of ``small_linear``'s GEMV kernel with the ``SILU_MUL`` prologue (one
+row: no split-K, so no reduce kernel either; several rows: split-K and its reduce for a deep K)
 (:mod:`paged_ops.backends.triton_linear_kernels`): the product is formed from the loaded gate and
 up tiles in registers, never stored. Without triton (or on a CPU without ``TRITON_INTERPRET=1``),
 or above ``SMALL_M_MAX`` rows, it is the model's own math in torch. It is one opaque node for
