@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,19 +18,35 @@ pytest.importorskip("transformers")
 hf = pytest.importorskip("paged_ops.integrations.transformers")
 
 
+def aot_eager_after(look: Callable[[torch.fx.GraphModule], None]) -> Callable:
+    """An inner backend for ``compile_backend``: ``look`` at the graph its passes left, then
+    compile it with aot_eager."""
+
+    def inner(gm, example_inputs):
+        look(gm)
+        from torch._dynamo import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    return inner
+
+
+def compiled_run(model: torch.nn.Module, run: Callable, backend: Callable) -> torch.Tensor:
+    """``run`` on ``model`` compiled whole with ``backend`` (Dynamo's caches reset first)."""
+    torch._dynamo.reset()
+    return run(torch.compile(model, backend=backend, fullgraph=True))
+
+
 def linear_count(model: torch.nn.Module, *args, **kwargs) -> tuple[int, int, torch.Tensor]:
     """Compile ``model`` with the fusing backend (aot_eager inside); returns the number of linear
     calls the traced graph had, how many fusion removed, and the compiled model's output."""
     seen: dict[str, int] = {}
 
-    def inner(gm, example_inputs):
+    def look(gm):
         seen["after"] = sum(n.target in fusion._LINEAR_TARGETS for n in gm.graph.nodes)
-        from torch._dynamo import lookup_backend
-
-        return lookup_backend("aot_eager")(gm, example_inputs)
 
     removed: list[int] = []
-    backend = fusion.compile_backend(inner, removed.append)
+    backend = fusion.compile_backend(aot_eager_after(look), removed.append)
     torch._dynamo.reset()
     out = torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
     return seen["after"] + sum(removed), sum(removed), out
@@ -129,7 +146,7 @@ def test_small_linear_pass_reroutes_linears_up_to_a_width_with_the_same_logits(m
     fusion.stack_projection_weights(model)
     seen: dict[str, int] = {}
 
-    def inner(gm, example_inputs):
+    def look(gm):
         seen["linear"] = sum(n.target in fusion._LINEAR_TARGETS for n in gm.graph.nodes)
         seen["small"] = sum(
             n.target is torch.ops.paged_ops.small_linear.default for n in gm.graph.nodes
@@ -140,19 +157,15 @@ def test_small_linear_pass_reroutes_linears_up_to_a_width_with_the_same_logits(m
         )
         seen["rope"] = sum(n.target is rope_fusion.norm_projections_rope for n in gm.graph.nodes)
         seen["mlp"] = sum(n.target is mlp_fusion.silu_mul_projection for n in gm.graph.nodes)
-        from torch._dynamo import lookup_backend
-
-        return lookup_backend("aot_eager")(gm, example_inputs)
 
     rerouted: list[int] = []
     norms: list[int] = []
     backend = fusion.compile_backend(
-        inner, small_linears=True, max_out_features=max_out, on_rerouted=rerouted.append,
-        on_norms_fused=norms.append,
+        aot_eager_after(look), small_linears=True, max_out_features=max_out,
+        on_rerouted=rerouted.append, on_norms_fused=norms.append,
     )  # fmt: skip
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    torch.testing.assert_close(run(compiled), reference, rtol=1e-4, atol=1e-4)
+    logits = compiled_run(model, run, backend)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
     # per layer: fused q/k/v, o, fused gate/up, down; then the head. The norms of a residual sum
     # (every one but layer 0's input norm and the final norm, which feeds the head through a
     # slice) go into the projections that read them, within max_out_features; every down
@@ -204,16 +217,9 @@ def test_norm_fusion_takes_llama_style_norms_only(family, expected):
     reference = run(model)
     fusion.stack_projection_weights(model)
     norms: list[int] = []
-
-    def inner(gm, example_inputs):
-        from torch._dynamo import lookup_backend
-
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    backend = fusion.compile_backend(inner, small_linears=True, on_norms_fused=norms.append)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    torch.testing.assert_close(run(compiled), reference, rtol=1e-4, atol=1e-4)
+    backend = fusion.compile_backend("aot_eager", small_linears=True, on_norms_fused=norms.append)
+    logits = compiled_run(model, run, backend)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
     layers = model.config.num_hidden_layers
     assert norms == [2 * layers - 1 if expected == "2L-1" else 0]
 
@@ -288,16 +294,14 @@ def test_mlp_fusion_takes_silu_mlps_of_one_gate_up_tensor(family, stacked, fused
     mlps: list[int] = []
     seen: list[int] = []
 
-    def inner(gm, example_inputs):
+    def look(gm):
         seen.append(sum(n.target is torch.nn.functional.silu for n in gm.graph.nodes))
-        from torch._dynamo import lookup_backend
 
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    backend = fusion.compile_backend(inner, small_linears=True, on_mlps_fused=mlps.append)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    torch.testing.assert_close(run(compiled), reference, rtol=1e-4, atol=1e-4)
+    backend = fusion.compile_backend(
+        aot_eager_after(look), small_linears=True, on_mlps_fused=mlps.append
+    )
+    logits = compiled_run(model, run, backend)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
     layers = model.config.num_hidden_layers
     assert mlps == [fused * layers]
     assert seen == [0 if family == "gemma2" else (1 - fused) * layers]  # SiLUs left in the graph
