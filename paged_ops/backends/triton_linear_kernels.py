@@ -28,7 +28,8 @@ At decode time a model's linear layers stream their weights once per step for a 
 - ``PDL`` (``LinearConfig.pdl``, sm_90+): launched with programmatic dependent launch, a program
   asks L2 for its first weight lines, waits for the previous kernel (``griddepcontrol.wait``),
   then lets the next kernel launch. Measured in a decode step's chain of kernels, it changed
-  nothing (benchmarks/NOTES.md section 22); it stays an explicit choice.
+  nothing (benchmarks/NOTES.md section 22); on the engine's one-row GEMVs (with the norm-fused
+  one) it cost 10-14% at batch 1 (section 27). It stays an explicit choice.
 
 Padded columns and rows are clamped to the last real one (loads stay in bounds without masks; their
 results are never stored), and ``K`` is masked only when it is not a multiple of the K step
