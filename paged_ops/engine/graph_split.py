@@ -96,7 +96,9 @@ def _nodes(graph: ctypes.c_void_p) -> set[int]:
     lib = _cuda()
     count = ctypes.c_size_t(0)
     _check(lib.cuGraphGetNodes(graph, None, ctypes.byref(count)), "cuGraphGetNodes")
-    array = (ctypes.c_void_p * max(count.value, 1))()
+    if count.value == 0:  # a non-NULL array with a count of 0 is CUDA_ERROR_INVALID_VALUE
+        return set()
+    array = (ctypes.c_void_p * count.value)()
     _check(lib.cuGraphGetNodes(graph, array, ctypes.byref(count)), "cuGraphGetNodes")
     return {int(array[i]) for i in range(count.value)}
 
