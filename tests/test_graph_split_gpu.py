@@ -29,15 +29,16 @@ def test_each_segment_replays_its_own_forward_alone():
                 outputs[b] = forward(x, w)
     graphs = capture.graphs()
     assert sorted(graphs) == [1, 4, 8]
-    for _ in range(3):  # new inputs each time; only the replayed bucket's output changes
+    # Replays in any order, each on new inputs, give their own forward's result. The graphs
+    # share one memory pool as per-bucket captures did: one bucket's replay may reuse memory
+    # that holds another bucket's outputs (the engine reads a graph's outputs right after its
+    # replay, in stream order).
+    for _ in range(3):
         for b in (1, 8, 4):
-            before = {c: o.clone() for c, o in outputs.items() if c != b}
             inputs[b].copy_(torch.randn(b, 64, device="cuda"))
             graphs[b].replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(outputs[b], forward(inputs[b], w))
-            for c, o in before.items():
-                assert torch.equal(outputs[c], o), f"replaying bucket {b} wrote bucket {c}'s output"
 
 
 def test_a_segment_twice_and_graphs_outside_recording_are_errors():

@@ -3,17 +3,20 @@
 Measured on an H200 (torch 2.11+cu130, benchmarks/NOTES.md section 28): from a process's fourth
 stream capture on, *every* CUDA graph of the process replays ~0.18 us slower per kernel node (a
 chain of 100 tiny kernels: 1.03 -> 1.21 us per kernel; the engine's batch-1 decode graph: 859 ->
-895 us). Captured graphs not yet instantiated count, deleting graphs does not undo it, the capture
-mode, stream and memory pool do not matter; graphs built through the graph API (clone, node
-removal, instantiate) do not count. The engine captures a graph per batch bucket (13 for
-``max_num_seqs=256``), so its graphs all ran in the slow mode.
+895 us in one process, 870 us in an LLM with 2 graphs vs 913 us with 7). Captured graphs not yet
+instantiated count; deleting graphs does not undo it; the capture mode, stream and memory pool do
+not matter. More executable graphs instantiated from one capture, and graphs built through the
+graph API (``cuGraphCreate`` + a child-graph node), did not slow anything. The engine captures a
+graph per batch bucket (13 for ``max_num_seqs=256``), so its graphs all replay in the slow mode.
 
-So :class:`SegmentedCapture` records every bucket's forward in *one* capture and notes which nodes
-each forward added; :meth:`SegmentedCapture.graphs` then makes one executable graph per forward
-from a clone of the capture with every other node removed (the forwards run one after another on
-one stream, so a forward's nodes depend only on each other and on earlier forwards' nodes, whose
-edges go with them). The capture itself is never instantiated; it owns the memory pool the
-forwards allocated from, as ``torch.cuda.graph(..., pool=...)`` shared one pool before.
+So :class:`SegmentedCapture` records every bucket's forward in *one* capture and notes which
+nodes each forward added; :meth:`SegmentedCapture.graphs` then makes one executable graph per
+forward from a clone of the capture with every other node removed (the forwards run one after
+another on one stream, so a forward's nodes depend only on each other and on earlier forwards'
+nodes, whose edges go with them). The capture itself is never instantiated; it owns the memory
+pool the forwards allocated from, as ``torch.cuda.graph(..., pool=...)`` shared one pool before.
+The engine uses it only with ``PAGED_OPS_ONE_CAPTURE=1`` (``ModelRunner._one_capture``): it is
+correct on the H200, but its end-to-end gain is not measured yet.
 
 The CUDA driver API is called through ``ctypes`` (``libcuda.so.1``); :func:`available` says
 whether it can be. The graphs hold no random-number state: torch's replay prologue (generator

@@ -724,11 +724,14 @@ class ModelRunner:
         times["graph_warmup_s"] += self._elapsed(t0)
 
     def _one_capture(self) -> bool:
-        """Whether the graphs come from one capture (:mod:`paged_ops.engine.graph_split`): a
-        process's fourth stream capture slows every graph of it (benchmarks/NOTES.md section
-        28). Not with a host-planned decode backend (its per-bucket plans are armed by each
-        bucket's own capture) nor with ``PAGED_OPS_ONE_CAPTURE=0``."""
-        if os.environ.get("PAGED_OPS_ONE_CAPTURE", "1") == "0":
+        """Whether the graphs come from one capture (:mod:`paged_ops.engine.graph_split`), opt-in
+        with ``PAGED_OPS_ONE_CAPTURE=1``: a process's fourth stream capture slows every graph of
+        it by ~0.2-0.4 us per kernel (H200, benchmarks/NOTES.md section 28). Correct on the
+        H200 (the engine's greedy tests), but its end-to-end gain is not measured yet (its one
+        run was a first process, slower in steps without graphs too), so not the default. Never
+        with a host-planned decode backend (its per-bucket plans are armed by each bucket's own
+        capture)."""
+        if os.environ.get("PAGED_OPS_ONE_CAPTURE", "0") != "1":
             return False
         return self._graph_safe("decode") and graph_split.available()
 
