@@ -1,0 +1,121 @@
+"""Does a process's fourth CUDA stream capture slow every CUDA graph of the process?
+
+Each case runs in a process of its own (the slow mode, once entered, stays): a graph of 100 tiny
+kernels (``x.add_(0.0)`` on 64 Ki floats) is captured, then more graphs are made, and graph #1's
+replay time per kernel is measured (CUDA events over 300 back-to-back replays, median of 5) after
+each one:
+
+- ``captures``: each new graph is its own stream capture (``torch.cuda.graph``).
+- ``keep_graph``: captures with ``keep_graph=True``, never instantiated (only #1 runs).
+- ``execs``: one capture, more executable graphs instantiated from it (``cuGraphInstantiate``).
+- ``graph_api``: one capture, more graphs built with ``cuGraphCreate`` + a child-graph node.
+
+    python benchmarks/probe_graph_captures.py --out benchmarks/results/graph_captures_h200.json
+
+Measured on an H200 (benchmarks/NOTES.md section 28, with the probes this script was assembled
+from): ``captures`` 1.03 us per kernel for graphs 1-3, 1.21 from the fourth on; ``keep_graph``
+1.20 already; ``execs`` and ``graph_api`` stay at 1.03.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import subprocess
+import sys
+
+import torch
+
+CASES = ("captures", "keep_graph", "execs", "graph_api")
+NODES = 100
+
+
+def time_per_kernel(run, replays: int = 300) -> float:  # noqa: ANN001
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / replays / NODES)
+    return round(sorted(times)[2], 3)
+
+
+def run_case(case: str, graphs: int) -> list[tuple[str, float]]:
+    """``(what was made, graph #1's us per kernel)`` after each step of ``case``."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what}: CUresult {rc}")
+
+    x = torch.zeros(1 << 16, device="cuda")
+
+    def body() -> None:
+        for _ in range(NODES):
+            x.add_(0.0)
+
+    def capture(keep: bool = False) -> torch.cuda.CUDAGraph:
+        g = torch.cuda.CUDAGraph(keep_graph=keep)
+        with torch.cuda.graph(g):
+            body()
+        return g
+
+    body()
+    torch.cuda.synchronize()
+    first = capture(keep=case != "captures")
+    if case != "captures":
+        first.instantiate()
+    rows = [("graph #1", time_per_kernel(first.replay))]
+    kept = []
+    for i in range(2, graphs + 1):
+        if case == "captures":
+            kept.append(capture())
+        elif case == "keep_graph":
+            kept.append(capture(keep=True))
+        else:
+            graph = ctypes.c_void_p(first.raw_cuda_graph())
+            if case == "graph_api":
+                new = ctypes.c_void_p()
+                check(cuda.cuGraphCreate(ctypes.byref(new), 0), "cuGraphCreate")
+                node = ctypes.c_void_p()
+                check(cuda.cuGraphAddChildGraphNode(ctypes.byref(node), new, None,
+                                                    ctypes.c_size_t(0), graph), "child node")  # fmt: skip
+                graph = new
+            handle = ctypes.c_void_p()
+            check(cuda.cuGraphInstantiateWithFlags(ctypes.byref(handle), graph,
+                                                   ctypes.c_ulonglong(0)), "instantiate")  # fmt: skip
+            kept.append(handle)
+        rows.append((f"graph #{i}", time_per_kernel(first.replay)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=CASES, help="run one case in this process")
+    parser.add_argument("--graphs", type=int, default=6)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.case:  # the child: one case, its rows as JSON on the last line
+        print(json.dumps(run_case(args.case, args.graphs)))
+        return
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, nodes=NODES,
+                  cases={})  # fmt: skip
+    for case in CASES:
+        out = subprocess.run([sys.executable, __file__, "--case", case, "--graphs",
+                              str(args.graphs)], capture_output=True, text=True, check=True)  # fmt: skip
+        rows = json.loads(out.stdout.strip().splitlines()[-1])
+        result["cases"][case] = rows
+        print(f"{case:10}: " + ", ".join(f"{what} {us:.3f}" for what, us in rows), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
