@@ -133,7 +133,8 @@ class SegmentedCapture:
         capture = SegmentedCapture()
         with capture.recording():
             for bucket in buckets:
-                prepare(bucket)          # host work; device work only on capture.side_stream
+                with capture.untracked():
+                    prepare(bucket)      # host work; its device work is not recorded
                 with capture.segment(bucket):
                     outputs[bucket] = forward(bucket)
         graphs = capture.graphs()        # bucket -> ExecGraph
@@ -155,6 +156,15 @@ class SegmentedCapture:
             self._graph = _capturing_graph(torch.cuda.current_stream())
             yield
         self._graph = ctypes.c_void_p(self._torch_graph.raw_cuda_graph())
+
+    @contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Device work of the body runs on :attr:`side_stream`, outside the capture (e.g. a
+        step's metadata copies: only its host side matters to the forward being recorded);
+        waited for on exit."""
+        with torch.cuda.stream(self.side_stream):
+            yield
+        self.side_stream.synchronize()
 
     @contextmanager
     def segment(self, key: Any) -> Iterator[None]:

@@ -747,11 +747,10 @@ class ModelRunner:
         with capture.recording():
             for bucket, _, graphs, tokens, slices, rows in steps:
                 key = (id(graphs), bucket)
-                # the step's metadata copies run on a side stream, outside the capture: only
-                # the host-side step (sizes, views, kernel choices) matters to the forward
-                with torch.cuda.stream(capture.side_stream):
+                # the step's metadata copies are not recorded: only the host-side step (sizes,
+                # views, kernel choices) matters to the forward
+                with capture.untracked():
                     self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=bucket)
-                capture.side_stream.synchronize()
                 with capture.segment(key):
                     outputs[key] = self._call(tokens, rows)  # logits [rows, V], greedy [rows]
         execs = capture.graphs()
