@@ -24,26 +24,26 @@ import ctypes
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_attention as ba  # noqa: E402 (the shared timing helper)
 
 CASES = ("captures", "keep_graph", "execs", "graph_api")
 NODES = 100
 
 
-def time_per_kernel(run, replays: int = 300) -> float:  # noqa: ANN001
-    run()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
+def time_per_kernel(replay, replays: int = 300) -> float:  # noqa: ANN001
+    """us per kernel of ``replays`` back-to-back graph replays (``bench_attention``'s timer:
+    CUDA events, median of 5)."""
+
+    def run() -> None:
         for _ in range(replays):
-            run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays / NODES)
-    return round(sorted(times)[2], 3)
+            replay()
+
+    return round(ba.median_seconds(run, replays * NODES, graph=False, repeats=5) * 1e6, 3)
 
 
 def run_case(case: str, graphs: int) -> list[tuple[str, float]]:

@@ -28,7 +28,7 @@ class FakeCapture:
     made: list[FakeCapture] = []
 
     def __init__(self) -> None:
-        self.calls: dict = {}  # key -> (tokens, rows, outputs) of the forward in the segment
+        self.calls: dict = {}  # key -> (runner, tokens, rows, outputs) of the segment's forward
         self.recording_now = False
         self.untracked_calls = 0
         FakeCapture.made.append(self)

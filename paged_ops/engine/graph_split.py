@@ -26,6 +26,7 @@ offsets) is not run, so a forward that draws random numbers must not be captured
 from __future__ import annotations
 
 import ctypes
+import functools
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,6 +38,7 @@ _CUDA_SUCCESS = 0
 _CAPTURE_ACTIVE = 1  # CU_STREAM_CAPTURE_STATUS_ACTIVE
 
 
+@functools.cache
 def _driver() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL("libcuda.so.1")
@@ -44,16 +46,11 @@ def _driver() -> ctypes.CDLL | None:
         return None
 
 
-_lib: ctypes.CDLL | None = None
-
-
 def _cuda() -> ctypes.CDLL:
-    global _lib
-    if _lib is None:
-        _lib = _driver()
-        if _lib is None:
-            raise RuntimeError("graph_split: libcuda.so.1 (the CUDA driver) cannot be loaded")
-    return _lib
+    lib = _driver()
+    if lib is None:
+        raise RuntimeError("graph_split: libcuda.so.1 (the CUDA driver) cannot be loaded")
+    return lib
 
 
 def available() -> bool:
@@ -121,8 +118,7 @@ class ExecGraph:
 
 
 def _destroy_exec(handle: int) -> None:
-    if _lib is not None:
-        _lib.cuGraphExecDestroy(ctypes.c_void_p(handle))
+    _cuda().cuGraphExecDestroy(ctypes.c_void_p(handle))
 
 
 class SegmentedCapture:
@@ -146,13 +142,10 @@ class SegmentedCapture:
         self._graph: ctypes.c_void_p | None = None
         self.side_stream = torch.cuda.Stream()  # not captured: the steps' metadata copies
 
-    def pool(self) -> Any:
-        return self._torch_graph.pool()
-
     @contextmanager
-    def recording(self, pool: Any = None) -> Iterator[None]:
+    def recording(self) -> Iterator[None]:
         # relaxed: the side stream's copies and event waits are not errors during the capture
-        with torch.cuda.graph(self._torch_graph, pool=pool, capture_error_mode="relaxed"):
+        with torch.cuda.graph(self._torch_graph, capture_error_mode="relaxed"):
             self._graph = _capturing_graph(torch.cuda.current_stream())
             yield
         self._graph = ctypes.c_void_p(self._torch_graph.raw_cuda_graph())
