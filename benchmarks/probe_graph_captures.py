@@ -12,9 +12,9 @@ each one:
 
     python benchmarks/probe_graph_captures.py --out benchmarks/results/graph_captures_h200.json
 
-Measured on an H200 (benchmarks/NOTES.md section 28, with the probes this script was assembled
-from): ``captures`` 1.03 us per kernel for graphs 1-3, 1.21 from the fourth on; ``keep_graph``
-1.20 already; ``execs`` and ``graph_api`` stay at 1.03.
+Measured on an H200 (benchmarks/NOTES.md section 29, results/graph_captures_h200.json):
+``captures`` and ``keep_graph`` 1.033 us per kernel for graphs 1-3, 1.212 from the fourth on;
+``execs`` and ``graph_api`` stay at 1.033-1.035.
 """
 
 from __future__ import annotations

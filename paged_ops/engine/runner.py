@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paged_ops.engine import fusion, graph_split, precompile, variant_prebuild
+from paged_ops.engine import fusion, precompile, variant_prebuild
 from paged_ops.engine.regions import CompiledRegions, compile_step_function, own_code
 from paged_ops.engine.rope_tables import RopeTables
 from paged_ops.engine.sampler import greedy_ids, host_to_device
@@ -52,7 +52,6 @@ from paged_ops.metadata import SequenceSlice
 from paged_ops.module import PagedAttention
 
 SMALL_LINEAR_MAX_OUT = 65536  # wider linears (vocabulary heads) stay on cuBLAS
-Replayable = torch.cuda.CUDAGraph | graph_split.ExecGraph  # a bucket's graph: .replay()
 INNER_BACKEND = "inductor"  # what compiles the graph after projection fusion (tests use aot_eager)
 
 
@@ -270,7 +269,7 @@ class ModelRunner:
         self.use_graphs = cuda_graphs and on_cuda
         self.buckets = graph_buckets(self.max_num_seqs) if self.use_graphs else []
         # bucket -> (graph, its static outputs: logits [bucket, V], greedy ids [bucket])
-        self._graphs: dict[int, tuple[Replayable, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.verify_tokens = verify_tokens
         self.verify_buckets: list[int] = []
         if self.use_graphs and verify_tokens and self._graph_safe("prefill"):
@@ -280,7 +279,9 @@ class ModelRunner:
             self.verify_buckets = sorted({b for b in sizes if 1 <= b <= most})
         # bucket -> graph of a verify step with verify_tokens drafts per sequence:
         # logits [bucket * (k + 1), V], greedy ids [bucket * (k + 1)]
-        self._verify_graphs: dict[int, tuple[Replayable, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._verify_graphs: dict[
+            int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]
+        ] = {}
         self.num_verify_replays = 0  # verify steps served by a verify graph
         self.warmup_breakdown: dict[str, Any] = {}  # filled by warm_up
 
@@ -680,20 +681,22 @@ class ModelRunner:
         k = self.verify_tokens
         plan = [(b, 1, self._graphs) for b in reversed(self.buckets)]
         plan += [(b, k + 1, self._verify_graphs) for b in reversed(self.verify_buckets)]
-        steps = []  # (bucket, per_seq, graphs, tokens, slices, rows)
+        pool = None
         for bucket, per_seq, graphs in plan:
+            t0 = time.perf_counter()
             tokens = bucket * per_seq
             blocks = [block] * -(-per_seq // self.pa.block_size)
             slices = [SequenceSlice(blocks, 0, per_seq)] * bucket
             rows = None if per_seq == 1 else self.logit_rows[:tokens]
-            steps.append((bucket, per_seq, graphs, tokens, slices, rows))
-        if self._one_capture():
-            self._capture_segmented(steps, shapes, times)
-            return times
-        pool = None
-        for bucket, per_seq, graphs, tokens, slices, rows in steps:
-            t0 = time.perf_counter()
-            self._warm_bucket(bucket, per_seq, tokens, slices, rows, shapes, times)
+            if (tokens, bucket) not in shapes or per_seq > 1:
+                # Run the step once outside the capture: kernel variants of this bucket (its
+                # KV split, Triton's integer specialisations) compile and Inductor's kernels
+                # autotune here, never inside the capture. A decode bucket whose exact step (one
+                # new token per sequence, one block) was among the warm-up shapes has met them.
+                self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=bucket)
+                self._load_ids([0] * tokens, tokens)
+                self._call(tokens, rows)
+                times["graph_warmup_s"] += self._elapsed(t0)
             t1 = time.perf_counter()
             # a forward consumes its prepared step: the captured one gets its own, as each replay
             self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=bucket)
@@ -707,59 +710,6 @@ class ModelRunner:
             times["capture_each_s"][name] = round(self._elapsed(t0), 4)
             times["num_graphs"] += 1
         return times
-
-    def _warm_bucket(self, bucket: int, per_seq: int, tokens: int, slices: list[SequenceSlice],
-                     rows: torch.Tensor | None, shapes: list[tuple[int, int]],
-                     times: dict[str, Any]) -> None:  # fmt: skip
-        """Run a bucket's step once outside any capture: kernel variants of this bucket (its KV
-        split, Triton's integer specialisations) compile and Inductor's kernels autotune here,
-        never inside the capture. A decode bucket whose exact step (one new token per sequence,
-        one block) was among the warm-up shapes has met them."""
-        if (tokens, bucket) in shapes and per_seq == 1:
-            return
-        t0 = time.perf_counter()
-        self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=bucket)
-        self._load_ids([0] * tokens, tokens)
-        self._call(tokens, rows)
-        times["graph_warmup_s"] += self._elapsed(t0)
-
-    def _one_capture(self) -> bool:
-        """Whether the graphs come from one capture (:mod:`paged_ops.engine.graph_split`), opt-in
-        with ``PAGED_OPS_ONE_CAPTURE=1``: a process's fourth stream capture slows every graph of
-        it by ~0.2-0.4 us per kernel (H200, benchmarks/NOTES.md section 28). Correct on the
-        H200 (the engine's greedy tests), but its end-to-end gain is not measured yet (its one
-        run was a first process, slower in steps without graphs too), so not the default. Never
-        with a host-planned decode backend (its per-bucket plans are armed by each bucket's own
-        capture)."""
-        if os.environ.get("PAGED_OPS_ONE_CAPTURE", "0") != "1":
-            return False
-        return self._graph_safe("decode") and graph_split.available()
-
-    def _capture_segmented(self, steps: list, shapes: list[tuple[int, int]],
-                           times: dict[str, Any]) -> None:  # fmt: skip
-        """Every bucket's graph cut out of one capture of all their forwards, in ``steps``'
-        order (largest first, as the pool was shared before)."""
-        for bucket, per_seq, _, tokens, slices, rows in steps:
-            self._warm_bucket(bucket, per_seq, tokens, slices, rows, shapes, times)
-        t0 = time.perf_counter()
-        capture = graph_split.SegmentedCapture()
-        outputs = {}
-        with capture.recording():
-            for bucket, _, graphs, tokens, slices, rows in steps:
-                key = (id(graphs), bucket)
-                # the step's metadata copies are not recorded: only the host-side step (sizes,
-                # views, kernel choices) matters to the forward
-                with capture.untracked():
-                    self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=bucket)
-                with capture.segment(key):
-                    outputs[key] = self._call(tokens, rows)  # logits [rows, V], greedy [rows]
-        execs = capture.graphs()
-        for bucket, _, graphs, *_ in steps:
-            key = (id(graphs), bucket)
-            graphs[bucket] = (execs[key], outputs[key])
-            times["num_graphs"] += 1
-        times["capture_s"] += self._elapsed(t0)
-        times["one_capture"] = True
 
 
 def format_breakdown(times: dict[str, Any]) -> str:
