@@ -9,12 +9,17 @@ each one:
 - ``keep_graph``: captures with ``keep_graph=True``, never instantiated (only #1 runs).
 - ``execs``: one capture, more executable graphs instantiated from it (``cuGraphInstantiate``).
 - ``graph_api``: one capture, more graphs built with ``cuGraphCreate`` + a child-graph node.
+- ``execs_upload``, ``graph_api_upload``: the same, each new executable graph also uploaded
+  (``cuGraphUpload``), as torch's capture and a graph's first launch do (the engine's 64-bucket
+  graph cut out of one capture flipped the process when uploaded, not when only instantiated:
+  NOTES section 29).
 
     python benchmarks/probe_graph_captures.py --out benchmarks/results/graph_captures_h200.json
 
 Measured on an H200 (benchmarks/NOTES.md section 29, results/graph_captures_h200.json):
 ``captures`` and ``keep_graph`` 1.033 us per kernel for graphs 1-3, 1.212 from the fourth on;
-``execs`` and ``graph_api`` stay at 1.033-1.035.
+``execs`` and ``graph_api`` (never uploaded) stay at 1.033-1.035. The ``_upload`` cases were
+added afterwards and have not run yet.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention as ba  # noqa: E402 (the shared timing helper)
 
-CASES = ("captures", "keep_graph", "execs", "graph_api")
+CASES = ("captures", "keep_graph", "execs", "graph_api", "execs_upload", "graph_api_upload")
 NODES = 100
 
 
@@ -80,7 +85,7 @@ def run_case(case: str, graphs: int) -> list[tuple[str, float]]:
             kept.append(capture(keep=True))
         else:
             graph = ctypes.c_void_p(first.raw_cuda_graph())
-            if case == "graph_api":
+            if case.startswith("graph_api"):
                 new = ctypes.c_void_p()
                 check(cuda.cuGraphCreate(ctypes.byref(new), 0), "cuGraphCreate")
                 node = ctypes.c_void_p()
@@ -90,6 +95,9 @@ def run_case(case: str, graphs: int) -> list[tuple[str, float]]:
             handle = ctypes.c_void_p()
             check(cuda.cuGraphInstantiateWithFlags(ctypes.byref(handle), graph,
                                                    ctypes.c_ulonglong(0)), "instantiate")  # fmt: skip
+            if case.endswith("_upload"):
+                stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+                check(cuda.cuGraphUpload(handle, stream), "upload")
             kept.append(handle)
         rows.append((f"graph #{i}", time_per_kernel(first.replay)))
     return rows
