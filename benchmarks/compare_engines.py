@@ -34,12 +34,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_generate as bg  # noqa: E402
 
 
+def _top_level_split(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets (``"a=1,b=[1,2]"`` -> two items)."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return items + [text[start:]]
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """``"NAME:k=v,..."`` -> (name, LLM kwargs, Inductor config patches)."""
     name, _, body = text.partition(":")
     kwargs: dict[str, Any] = {}
     inductor: dict[str, Any] = {}
-    for item in filter(None, (p.strip() for p in body.split(","))):
+    for item in filter(None, (p.strip() for p in _top_level_split(body))):
         key, sep, raw = item.partition("=")
         if not sep:
             raise SystemExit(f"variant {text!r}: {item!r} is not key=value")

@@ -18,8 +18,11 @@ each one:
 
 Measured on an H200 (benchmarks/NOTES.md section 29, results/graph_captures_h200.json):
 ``captures`` and ``keep_graph`` 1.033 us per kernel for graphs 1-3, 1.212 from the fourth on;
-``execs`` and ``graph_api`` (never uploaded) stay at 1.033-1.035. The ``_upload`` cases were
-added afterwards and have not run yet.
+``execs`` and ``graph_api`` (never uploaded) stay at 1.033-1.035. Section 30
+(``results/graph_captures_upload_h200.json``, ``results/graph_slow_mode_sweep_h200.log``):
+``execs_upload`` and ``graph_api_upload`` go to 1.22 at the **second** graph; with 10, 25, 50,
+200 or 400 kernels per graph (``--nodes``) the captures still flip at the fourth and the
+uploads at the second (+0.17-0.18 us per kernel); no CUDA environment variable tried changes it.
 """
 
 from __future__ import annotations
@@ -107,16 +110,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=CASES, help="run one case in this process")
     parser.add_argument("--graphs", type=int, default=6)
+    parser.add_argument("--nodes", type=int, default=NODES, help="kernels in each graph")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    globals()["NODES"] = args.nodes
     if args.case:  # the child: one case, its rows as JSON on the last line
         print(json.dumps(run_case(args.case, args.graphs)))
         return
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, nodes=NODES,
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, nodes=args.nodes,
                   cases={})  # fmt: skip
     for case in CASES:
         out = subprocess.run([sys.executable, __file__, "--case", case, "--graphs",
-                              str(args.graphs)], capture_output=True, text=True, check=True)  # fmt: skip
+                              str(args.graphs), "--nodes", str(args.nodes)],
+                             capture_output=True, text=True, check=True)  # fmt: skip
         rows = json.loads(out.stdout.strip().splitlines()[-1])
         result["cases"][case] = rows
         print(f"{case:10}: " + ", ".join(f"{what} {us:.3f}" for what, us in rows), flush=True)

@@ -326,7 +326,26 @@ def test_one_sequence_at_a_time_serves_every_request(models, monkeypatch):
         assert llm.runner.buckets == []  # no CUDA graphs on CPU; graph_buckets(1) == [1]
         outs[compiled] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs[False] == outs[True] == [hf_greedy(models[0], p, 5) for p in prompts]
-    assert runner.graph_buckets(1) == [1] and runner.graph_buckets(3) == [1, 2, 3]
+    assert runner.graph_buckets(1) == [1] and runner.graph_buckets(3) == [1, 3]
+
+
+def test_default_graph_buckets_capture_three_graphs_up_to_64_sequences():
+    # a process's fourth CUDA graph capture slows every graph's launches (NOTES section 30)
+    assert runner.graph_buckets(8) == [1, 8]
+    assert runner.graph_buckets(64) == [1, 8, 64]
+    assert runner.graph_buckets(48) == [1, 8, 48]
+    assert all(len(runner.graph_buckets(n)) <= 3 for n in range(1, runner.FEW_GRAPHS_MAX_SEQS + 1))
+    # above: fine buckets (padding 65-255 sequences to a few graphs would cost more)
+    assert runner.graph_buckets(65) == [1, 2, 4, 8, 16, 32, 64, 65]
+    assert runner.graph_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
+    # chosen sizes: sorted, distinct, each in [1, max_num_seqs]
+    assert runner.graph_buckets(256, [256, 1, 64, 64]) == [1, 64, 256]
+    for bad in ([], [0, 4], [1, 300]):
+        with pytest.raises(
+            ValueError,
+            match=r"in \[1, max_num_seqs=256\], got",
+        ):
+            runner.graph_buckets(256, bad)
 
 
 def test_llm_serves_a_model_the_caller_already_patched(models):

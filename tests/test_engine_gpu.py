@@ -85,6 +85,45 @@ def test_compiled_graphed_engine_matches_hf_greedy(dtype, tol):
     check_engine_against_hf(small_llama(dtype), tol)
 
 
+class _CountedGraph:
+    """A CUDA graph whose replays are counted."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph, self.replays = graph, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.graph.replay()
+
+
+def test_chosen_graph_sizes_pad_to_the_next_and_larger_batches_run_without_a_graph():
+    torch._dynamo.reset()
+    ref = small_llama(torch.float32)
+    llm = LLM(copy.deepcopy(ref), max_num_seqs=16, max_model_len=256,
+              gpu_memory_utilization=0.5, cuda_graph_sizes=(4, 1))  # fmt: skip
+    assert llm.runner.buckets == [1, 4] and sorted(llm.runner._graphs) == [1, 4]
+    counted = {}
+    for size, (graph, outputs) in list(llm.runner._graphs.items()):
+        counted[size] = _CountedGraph(graph)
+        llm.runner._graphs[size] = (counted[size], outputs)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (1, 9, 40, 17, 100)]
+    params = SamplingParams(max_new_tokens=12)
+    for batch, graph_size in ((prompts[:3], 4), (prompts, None), (prompts[2:3], 1)):
+        before = {size: c.replays for size, c in counted.items()}
+        outs = llm.generate(batch, params)
+        replays = {size: c.replays - before[size] for size, c in counted.items()}
+        # 3 sequences pad to the graph of 4, 1 replays the graph of 1, 5 run the compiled forward
+        assert replays == {size: (11 if size == graph_size else 0) for size in counted}
+        for prompt, out in zip(batch, outs, strict=True):
+            assert_greedy_agrees(ref, prompt, out.token_ids, 1e-3)
+    llm.close()
+    del llm
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def test_engine_on_flashinfer_matches_hf_greedy():
     pytest.importorskip("flashinfer")
     torch._dynamo.reset()

@@ -69,6 +69,26 @@ def llm(base) -> LLM:
         (dict(compile="yes"), TypeError, "compile must be True, False or None"),
         (dict(overlap=1), TypeError, "overlap must be True or False"),
         (dict(small_linears="on"), TypeError, "small_linears must be True, False or None"),
+        (dict(cuda_graph_sizes=8), TypeError, "cuda_graph_sizes must be a sequence of batch"),
+        (dict(cuda_graph_sizes="1,8"), TypeError, "cuda_graph_sizes must be a sequence of batch"),
+        (dict(cuda_graph_sizes=[]), ValueError, "at least one batch size, got an empty one"),
+        (dict(cuda_graph_sizes=[1, 0]), ValueError, r"cuda_graph_sizes\[i\] must be >= 1, got 0"),
+        (dict(cuda_graph_sizes=[1, 2.0]), TypeError, r"cuda_graph_sizes\[i\] must be an int"),
+        (
+            dict(cuda_graph_sizes=[True]),
+            TypeError,
+            r"cuda_graph_sizes\[i\] must be an int, got bool",
+        ),
+        (
+            dict(cuda_graph_sizes=[1, 8], max_num_seqs=4),
+            ValueError,
+            "cuda_graph_sizes has 8, more than max_num_seqs=4",
+        ),
+        (
+            dict(cuda_graph_sizes=[1], cuda_graphs=False),
+            ValueError,
+            r"cuda_graph_sizes=\[1\] needs cuda_graphs=True",
+        ),
     ],
 )
 def test_bad_llm_arguments_are_refused_before_the_model_is_touched(base, kwargs, error, match):
@@ -77,6 +97,20 @@ def test_bad_llm_arguments_are_refused_before_the_model_is_touched(base, kwargs,
     with pytest.raises(error, match=match):
         LLM(model, **{"backend": "reference", **kwargs})
     assert paged_attention_of(model) is None and model.config is config
+
+
+def test_graph_sizes_beyond_the_default_max_num_seqs_are_refused_and_leave_the_model(base):
+    # max_num_seqs not given: the check against the resolved one (256) happens in the runner
+    model = copy.deepcopy(base)
+    with pytest.raises(ValueError, match=r"in \[1, max_num_seqs=256\], got \[1, 512\]"):
+        LLM(model, backend="reference", block_size=4, num_blocks=64, cuda_graph_sizes=[1, 512])
+    assert paged_attention_of(model) is None
+
+
+def test_graph_sizes_are_kept_sorted_and_distinct(base):
+    llm = LLM(copy.deepcopy(base), **OPTS, cuda_graph_sizes=(4, 1, np.int64(4)))
+    assert llm._graph_sizes == (1, 4)
+    assert llm.runner.buckets == []  # no CUDA graphs on a CPU; the sizes are checked all the same
 
 
 def test_numpy_sizes_are_accepted(base):

@@ -78,6 +78,31 @@ def check_llm_args(
     return given
 
 
+def check_graph_sizes(
+    sizes: Any, max_num_seqs: int | None, cuda_graphs: bool
+) -> tuple[int, ...] | None:
+    """``LLM(cuda_graph_sizes=...)`` as ascending distinct ints (``None`` stays ``None``): a
+    non-empty sequence of ints >= 1, each <= ``max_num_seqs`` when that was given (the runner
+    checks it against the resolved one), and only with ``cuda_graphs``."""
+    if sizes is None:
+        return None
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+        raise TypeError(
+            f"cuda_graph_sizes must be a sequence of batch sizes (ints), got "
+            f"{type(sizes).__name__} {sizes!r}"
+        )
+    if not sizes:
+        raise ValueError("cuda_graph_sizes must name at least one batch size, got an empty one")
+    if not cuda_graphs:
+        raise ValueError(f"cuda_graph_sizes={list(sizes)} needs cuda_graphs=True")
+    chosen = sorted({as_int("cuda_graph_sizes[i]", v, 1) for v in sizes})
+    if max_num_seqs is not None and chosen[-1] > max_num_seqs:
+        raise ValueError(
+            f"cuda_graph_sizes has {chosen[-1]}, more than max_num_seqs={max_num_seqs}"
+        )
+    return tuple(chosen)
+
+
 def on_cuda(model: nn.Module) -> bool:
     """Whether ``model``'s parameters live on a CUDA device."""
     param = next(model.parameters(), None)

@@ -24,6 +24,7 @@ from paged_ops.engine.compile_cache import configure_compile_caches, default_cac
 from paged_ops.engine.distributed import TensorParallel, tp_size
 from paged_ops.engine.draft import DraftModel, check_draft_model
 from paged_ops.engine.inputs import (
+    check_graph_sizes,
     check_llm_args,
     check_model,
     check_sampling,
@@ -253,6 +254,17 @@ class LLM:
             on CUDA yes, on CPU no (there its warm-up of 15-60 s outweighs what it saves for the
             small models that run on a CPU).
         cuda_graphs: replay decode steps from CUDA graphs (CUDA only).
+        cuda_graph_sizes: the decode batch sizes that get a CUDA graph (each in ``[1,
+            max_num_seqs]``); a decode step is padded to the smallest that fits it, and one of
+            more sequences than the largest runs the compiled forward without a graph. Default
+            (None): up to 64 sequences the graphs of 1, 8 and ``max_num_seqs``; above, 1, 2, 4,
+            8, 16, 32 and every multiple of 32. Few graphs pay: from its fourth CUDA graph
+            capture on, a process launches every graph's kernels more slowly (H200: ~40 us of a
+            1 ms batch-1 step; three graphs for 64 sequences decode batch 1 and 64 requests 5-8%
+            faster than seven). An LLM for more than 64 sequences that mostly decodes batch 1 or
+            full batches may run faster with e.g. ``(1, 64, max_num_seqs)`` (256 sequences:
+            batch 1 +4%, 256 +2%), at the price of padding the batches between (96: -13%;
+            benchmarks/NOTES.md section 30).
         prefix_caching: share KV blocks of common prompt prefixes.
         max_num_tokens: token budget of one step (chunked prefill); default
             ``max(2048, max_num_seqs)``. Applies when the LLM patches the model itself.
@@ -367,6 +379,7 @@ class LLM:
         calculate_kv_scales: bool | None = None,
         cache_dir: str | os.PathLike[str] | bool | None = None,
         speculative: SpeculativeConfig | None = None,
+        cuda_graph_sizes: Sequence[int] | None = None,
     ) -> None:
         check_model(model)
         flags = dict(
@@ -394,7 +407,13 @@ class LLM:
         self.tp = TensorParallel.of(model)  # None for one process
         if self.tp is not None:  # before any check that one rank could fail alone
             self.tp.check_same(
-                "the LLM arguments", dict(**given, **flags, speculative=repr(speculative))
+                "the LLM arguments",
+                dict(
+                    **given,
+                    **flags,
+                    speculative=repr(speculative),
+                    cuda_graph_sizes=repr(cuda_graph_sizes),
+                ),  # fmt: skip
             )
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(
@@ -404,6 +423,9 @@ class LLM:
         if draft is not None:
             check_draft_model(draft, model)
         sizes = check_llm_args(model, given, flags)
+        self._graph_sizes = check_graph_sizes(
+            cuda_graph_sizes, sizes.get("max_num_seqs"), cuda_graphs
+        )
         if compile is None:
             flags["compile"] = default_compile(model)
         if small_linears is None:
@@ -490,6 +512,7 @@ class LLM:
             verify_max_seqs=min(spec.disable_by_batch_size, builder.max_num_seqs) if spec else 0,
             precompile_dir=self._precompile_dir,
             precompile_quiet=self._precompile_quiet,
+            cuda_graph_sizes=self._graph_sizes,
         )
         self.spec: Speculator | None = None
         if spec is not None:

@@ -36,7 +36,7 @@ import os
 import time
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +69,38 @@ def inductor_options(device: torch.device) -> dict[str, object]:
     return {"combo_kernels": True}
 
 
-def graph_buckets(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, 16, 32, then multiples of 32, up to
-    and including ``max_num_seqs``."""
-    sizes = [b for b in (1, 2, 4, 8, 16) if b < max_num_seqs]
-    sizes += list(range(32, max_num_seqs, 32))
-    return sorted(set(sizes + [max_num_seqs]))
+FEW_GRAPHS_MAX_SEQS = 64  # up to this max_num_seqs the default captures at most three graphs
+
+
+def graph_buckets(max_num_seqs: int, sizes: Sequence[int] | None = None) -> list[int]:
+    """Decode batch sizes that get a CUDA graph, ascending: ``sizes`` when given (each in
+    ``[1, max_num_seqs]``), else the default for ``max_num_seqs``.
+
+    The default: up to ``FEW_GRAPHS_MAX_SEQS`` sequences, three graphs at most (1, 8 and
+    ``max_num_seqs``); above, 1, 2, 4, 8, 16, 32, then multiples of 32 up to and including
+    ``max_num_seqs``. Why three: on an H200 (CUDA 13 driver) a process's fourth CUDA stream
+    capture slows the launch of every kernel of every graph in the process by ~0.2 us, for good
+    (~40 us of a 1 ms batch-1 step). An LLM for 64 sequences with the graphs of 1, 8 and 64
+    decodes batch 1/2/4/8 5-6% faster and 64 requests 6-8% faster than with the seven graphs of
+    1-64; a batch of 16 padded to 64 is 2-3% slower, one of 32 1-2% faster (benchmarks/NOTES.md
+    section 30). Above 64 sequences, padding the batches between three graphs costs more than
+    the slow launches save (an LLM for 256 with graphs of 1, 64 and 256: batch 1 +4%, 256 +2%,
+    but 96 -13% and 128 -8%), so the default keeps the fine buckets there;
+    ``LLM(cuda_graph_sizes=...)`` chooses otherwise.
+    """
+    if sizes is not None:
+        chosen = sorted(set(sizes))
+        if not chosen or chosen[0] < 1 or chosen[-1] > max_num_seqs:
+            raise ValueError(
+                f"cuda_graph_sizes must be batch sizes in [1, max_num_seqs={max_num_seqs}], "
+                f"got {list(sizes)}"
+            )
+        return chosen
+    if max_num_seqs <= FEW_GRAPHS_MAX_SEQS:
+        return sorted({1, min(8, max_num_seqs), max_num_seqs})
+    fine = [b for b in (1, 2, 4, 8, 16) if b < max_num_seqs]
+    fine += list(range(32, max_num_seqs, 32))
+    return sorted(set(fine + [max_num_seqs]))
 
 
 def warm_up_shapes(max_num_seqs: int, max_num_tokens: int, on_gpu: bool) -> list[tuple[int, int]]:
@@ -176,6 +202,9 @@ class ModelRunner:
         precompile_quiet: precompiling was the LLM's default, not asked for: a setting that
             rules it out at set-up (a backend that plans on the host) is logged as info, not
             warned about.
+        cuda_graph_sizes: with ``cuda_graphs``, the decode batch sizes that get a graph (each in
+            ``[1, max_num_seqs]``); None: :func:`graph_buckets`' default. A decode step of more
+            sequences than the largest runs the compiled forward without a graph.
     """
 
     def __init__(
@@ -193,6 +222,7 @@ class ModelRunner:
         verify_max_seqs: int = 0,
         precompile_dir: Path | None = None,
         precompile_quiet: bool = False,
+        cuda_graph_sizes: Sequence[int] | None = None,
     ) -> None:
         self.model, self.pa = model, pa
         self.device = pa.kv_cache.device
@@ -267,7 +297,8 @@ class ModelRunner:
             )
             self._evict_compiled.atexit = False
         self.use_graphs = cuda_graphs and on_cuda
-        self.buckets = graph_buckets(self.max_num_seqs) if self.use_graphs else []
+        buckets = graph_buckets(self.max_num_seqs, cuda_graph_sizes)  # checked on every device
+        self.buckets = buckets if self.use_graphs else []
         # bucket -> (graph, its static outputs: logits [bucket, V], greedy ids [bucket])
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.verify_tokens = verify_tokens
