@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_ops.cache import blocks_needed
+from paged_ops.mapped_copy import copy_pinned
 
 # "decode": every real sequence adds one token (the engine's CUDA-graph steps); "prefill": no
 # sequence is a decode row (one new token after cached context); "mixed": the rest (chunked
@@ -306,7 +307,7 @@ class MetadataBuilder:
             flat = host["block_table"].view(-1)
             flat[_from_list(index, torch.int64)] = _from_list(values, torch.int32)
         if self._copy_done is not None:
-            self._device_bytes.copy_(self._host_bytes, non_blocking=True)  # the one H2D copy
+            copy_pinned(self._device_bytes, self._host_bytes)  # the one H2D copy (a kernel)
             self._copy_done.record()
         dev = self._dev
         return AttentionMetadata(

@@ -19,6 +19,7 @@ from paged_ops.engine.params import TokenLogprob
 from paged_ops.engine.sampler import SamplingBatch, host_to_device, sample, token_logprobs
 from paged_ops.engine.scheduler import ScheduledBatch
 from paged_ops.engine.scheduler import Sequence as Seq
+from paged_ops.mapped_copy import copy_pinned
 
 
 def sampling_rows(batch: ScheduledBatch) -> tuple[list[Seq], list[int], SamplingBatch]:
@@ -65,15 +66,18 @@ class StepSample:
 
     def to_host(self) -> StepSample:
         """A copy on the host, queued without waiting (pinned memory on CUDA: the caller waits
-        on an event recorded after this before reading it)."""
+        on an event recorded after this before reading it, or dropping it: the ids' pinned
+        buffer is written by a kernel, which the host allocator does not track)."""
         if self.ids.device.type == "cpu":
             return self
 
         def copy(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to("cpu", non_blocking=True)
 
+        ids = torch.empty(self.ids.shape, dtype=self.ids.dtype, pin_memory=True)
+        copy_pinned(ids, self.ids.contiguous())  # a kernel through the mapped address
         return StepSample(
-            copy(self.ids),
+            ids,
             self.logprob_rows,
             self.logprob_ks,
             copy(self.chosen),
