@@ -152,3 +152,20 @@ def test_bench_linear_times_the_down_projection_with_its_silu_mul(tmp_path):
     assert [(r["layer"], r["M"]) for r in result["rows"]] == [("down", 1), ("down", 3)]
     assert all(r["max_abs_diff"] < 1e-2 for r in result["rows"])
     assert result["sweep"][0]["layer"] == "down" and result["sweep"][0]["best_us"] > 0
+
+
+def test_llm_keywords_keep_lists_whole():
+    # --llm "cuda_graph_sizes=[1,64,256],overlap=False": commas inside brackets do not split
+    sys.path.insert(0, str(BENCH))
+    try:
+        import compare_engines
+    finally:
+        sys.path.remove(str(BENCH))
+    assert compare_engines.llm_keywords("cuda_graph_sizes=[1,64,256],overlap=False") == {
+        "cuda_graph_sizes": [1, 64, 256],
+        "overlap": False,
+    }
+    name, kwargs, inductor = compare_engines.parse_variant(
+        "few:cuda_graph_sizes=(1,8),inductor.max_autotune=True"
+    )
+    assert (name, kwargs, inductor) == ("few", {"cuda_graph_sizes": (1, 8)}, {"max_autotune": True})
