@@ -7,6 +7,8 @@ with the ids feed. A kernel reads or writes pinned host memory directly through 
 address (pinned memory is mapped under unified addressing, which every 64-bit CUDA platform
 has), and costs ~5-7 us there (benchmarks/NOTES.md section 30).
 
+Used by the engine (``ModelRunner`` turns it on for its ``MetadataBuilder``; ``LLM`` copies the
+sampled ids with it); a model driven by transformers' own ``generate`` keeps ``copy_``.
 Ordering is the stream's, as for ``copy_(non_blocking=True)``: the host must not rewrite a pinned
 source, or read a pinned destination, before an event recorded after the copy has completed.
 ``PAGED_OPS_MAPPED_COPIES=0`` uses ``copy_`` instead. Triton loads on the first copy that needs

@@ -324,6 +324,7 @@ def test_one_sequence_at_a_time_serves_every_request(models, monkeypatch):
     for compiled in (False, True):
         llm = make_llm(models, max_num_seqs=1, max_model_len=32, num_blocks=32, compile=compiled)
         assert llm.runner.buckets == []  # no CUDA graphs on CPU; graph_buckets(1) == [1]
+        assert not llm.pa.builder.copy_by_kernel  # no pinned memory on a CPU: nothing to copy
         outs[compiled] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs[False] == outs[True] == [hf_greedy(models[0], p, 5) for p in prompts]
     assert runner.graph_buckets(1) == [1] and runner.graph_buckets(3) == [1, 3]

@@ -46,6 +46,7 @@ def check_engine_against_hf(ref: torch.nn.Module, tol: float, **llm_kwargs: obje
     llm = LLM(copy.deepcopy(ref), max_num_seqs=16, max_model_len=256,
               gpu_memory_utilization=0.5, **llm_kwargs)  # fmt: skip
     assert llm.runner.use_graphs and llm.runner._graphs
+    assert llm.pa.builder.copy_by_kernel  # the step metadata by a kernel (paged_ops.mapped_copy)
     backend = llm_kwargs.get("backend")
     assert backend is None or set(llm.pa.layer_backends) == {backend}
     g = torch.Generator().manual_seed(1)

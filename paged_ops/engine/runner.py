@@ -48,6 +48,7 @@ from paged_ops.engine.regions import CompiledRegions, compile_step_function, own
 from paged_ops.engine.rope_tables import RopeTables
 from paged_ops.engine.sampler import greedy_ids, host_to_device
 from paged_ops.engine.scheduler import ScheduledBatch
+from paged_ops.mapped_copy import mapped_copies_enabled
 from paged_ops.metadata import SequenceSlice
 from paged_ops.module import PagedAttention
 
@@ -297,6 +298,8 @@ class ModelRunner:
             )
             self._evict_compiled.atexit = False
         self.use_graphs = cuda_graphs and on_cuda
+        # each step's metadata goes to the device by a kernel, not a copy-engine copy
+        pa.builder.copy_by_kernel = mapped_copies_enabled(self.device)
         buckets = graph_buckets(self.max_num_seqs, cuda_graph_sizes)  # checked on every device
         self.buckets = buckets if self.use_graphs else []
         # bucket -> (graph, its static outputs: logits [bucket, V], greedy ids [bucket])
