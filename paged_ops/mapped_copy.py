@@ -24,6 +24,10 @@ import torch
 from paged_ops.triton_dispatch import kernel_module
 
 BLOCK = 1024  # words per program
+# Buffers up to this size go by kernel. SMs reading pinned memory over PCIe are measured only
+# for the engine's 64 KiB metadata buffer; for a much larger one (a long block table) the copy
+# engine's bandwidth may win over the ~5 us the kernel saves, so those keep copy_.
+MAX_KERNEL_COPY_BYTES = 256 * 1024
 
 
 def _kernels():  # noqa: ANN202 (a module, or None without triton)
@@ -40,13 +44,21 @@ def mapped_copies_enabled(device: torch.device) -> bool:
     )
 
 
+def kernel_sized(nbytes: int) -> bool:
+    """Whether a copy of ``nbytes`` may go by kernel: whole 4-byte words, at least one, at most
+    :data:`MAX_KERNEL_COPY_BYTES`."""
+    return nbytes % 4 == 0 and 0 < nbytes <= MAX_KERNEL_COPY_BYTES
+
+
 def copy_pinned(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src, non_blocking=True)`` where one side is pinned host memory and the other a
-    CUDA tensor, by a kernel when :func:`mapped_copies_enabled` (else by ``copy_``).
+    CUDA tensor, by a kernel when :func:`mapped_copies_enabled` and the copy is at most
+    :data:`MAX_KERNEL_COPY_BYTES` (else by ``copy_``).
 
     Args:
-        dst, src: contiguous tensors of the same dtype and number of elements, a multiple of 4
-            bytes in all; one in pinned host memory, the other on the CUDA device.
+        dst, src: tensors of the same dtype and number of elements. The kernel takes a
+            contiguous pair, one in pinned host memory and the other on a CUDA device, of whole
+            4-byte words (:func:`kernel_sized`); anything else goes to ``copy_``.
     """
     if dst.dtype != src.dtype or dst.numel() != src.numel():
         raise ValueError(
@@ -60,12 +72,10 @@ def copy_pinned(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.is_cuda == src.is_cuda
         or not host.is_pinned()
         or not (dst.is_contiguous() and src.is_contiguous())
-        or nbytes % 4
+        or not kernel_sized(nbytes)
         or not mapped_copies_enabled(device)
     ):
         dst.copy_(src, non_blocking=True)
-        return
-    if nbytes == 0:
         return
     words = nbytes // 4
     grid = (-(-words // BLOCK),)

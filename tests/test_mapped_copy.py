@@ -25,6 +25,14 @@ def test_mismatched_tensors_are_refused():
         )
 
 
+def test_only_whole_words_up_to_the_size_limit_go_by_kernel():
+    limit = mapped_copy.MAX_KERNEL_COPY_BYTES
+    assert mapped_copy.kernel_sized(8) and mapped_copy.kernel_sized(limit)
+    # a long block table keeps the copy engine; partial words and empty copies too
+    assert not mapped_copy.kernel_sized(limit + 4)
+    assert not mapped_copy.kernel_sized(6) and not mapped_copy.kernel_sized(0)
+
+
 def test_copies_that_are_not_host_device_pairs_fall_back_to_copy():
     src = torch.arange(10, dtype=torch.int64)
     dst = torch.zeros(10, dtype=torch.int64)

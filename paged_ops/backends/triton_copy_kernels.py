@@ -6,7 +6,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# n unspecialised: the metadata buffer and every batch's ids share one compiled variant, built at
+# the engine's warm-up (its first metadata copy), so no step waits for Triton's JIT
+@triton.jit(do_not_specialize=["n"])
 def copy_words_kernel(
     src_ptr,  # [n] int32 words (device memory, or pinned host memory through its mapped address)
     dst_ptr,  # [n] int32 words (the same)
