@@ -13,6 +13,10 @@ each one:
   (``cuGraphUpload``), as torch's capture and a graph's first launch do (the engine's 64-bucket
   graph cut out of one capture flipped the process when uploaded, not when only instantiated:
   NOTES section 29).
+- ``captures_free``, ``execs_upload_free``: the same as ``captures`` / ``execs_upload``, then the
+  later graphs are freed one by one (``CUDAGraph.reset()`` / ``cuGraphExecDestroy``), newest
+  first, timing graph #1 after each (does a process leave the slow mode when its graphs go?),
+  then two graphs are captured again.
 
     python benchmarks/probe_graph_captures.py --out benchmarks/results/graph_captures_h200.json
 
@@ -23,6 +27,9 @@ Measured on an H200 (benchmarks/NOTES.md section 29, results/graph_captures_h200
 ``execs_upload`` and ``graph_api_upload`` go to 1.22 at the **second** graph; with 10, 25, 50,
 200 or 400 kernels per graph (``--nodes``) the captures still flip at the fourth and the
 uploads at the second (+0.17-0.18 us per kernel); no CUDA environment variable tried changes it.
+Section 31 (``results/graph_captures_free_h200.json``): freeing the later graphs (``reset()`` /
+``cuGraphExecDestroy``, down to graph #1 alone) leaves the process slow (1.210-1.214), and graphs
+captured after the frees run slow too: the slow mode lasts for the life of the process.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention as ba  # noqa: E402 (the shared timing helper)
 
-CASES = ("captures", "keep_graph", "execs", "graph_api", "execs_upload", "graph_api_upload")
+CASES = ("captures", "keep_graph", "execs", "graph_api", "execs_upload", "graph_api_upload",
+         "captures_free", "execs_upload_free")  # fmt: skip
 NODES = 100
 
 
@@ -68,6 +76,8 @@ def run_case(case: str, graphs: int) -> list[tuple[str, float]]:
         for _ in range(NODES):
             x.add_(0.0)
 
+    base = case.removesuffix("_free")
+
     def capture(keep: bool = False) -> torch.cuda.CUDAGraph:
         g = torch.cuda.CUDAGraph(keep_graph=keep)
         with torch.cuda.graph(g):
@@ -76,19 +86,19 @@ def run_case(case: str, graphs: int) -> list[tuple[str, float]]:
 
     body()
     torch.cuda.synchronize()
-    first = capture(keep=case != "captures")
-    if case != "captures":
+    first = capture(keep=base != "captures")
+    if base != "captures":
         first.instantiate()
     rows = [("graph #1", time_per_kernel(first.replay))]
     kept = []
     for i in range(2, graphs + 1):
-        if case == "captures":
+        if base == "captures":
             kept.append(capture())
-        elif case == "keep_graph":
+        elif base == "keep_graph":
             kept.append(capture(keep=True))
         else:
             graph = ctypes.c_void_p(first.raw_cuda_graph())
-            if case.startswith("graph_api"):
+            if base.startswith("graph_api"):
                 new = ctypes.c_void_p()
                 check(cuda.cuGraphCreate(ctypes.byref(new), 0), "cuGraphCreate")
                 node = ctypes.c_void_p()
@@ -98,11 +108,23 @@ def run_case(case: str, graphs: int) -> list[tuple[str, float]]:
             handle = ctypes.c_void_p()
             check(cuda.cuGraphInstantiateWithFlags(ctypes.byref(handle), graph,
                                                    ctypes.c_ulonglong(0)), "instantiate")  # fmt: skip
-            if case.endswith("_upload"):
+            if base.endswith("_upload"):
                 stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
                 check(cuda.cuGraphUpload(handle, stream), "upload")
             kept.append(handle)
         rows.append((f"graph #{i}", time_per_kernel(first.replay)))
+    if case.endswith("_free"):
+        for i in range(graphs, 1, -1):
+            made = kept.pop()
+            if isinstance(made, torch.cuda.CUDAGraph):
+                made.reset()
+            else:
+                check(cuda.cuGraphExecDestroy(made), "destroy")
+            torch.cuda.synchronize()
+            rows.append((f"freed #{i}", time_per_kernel(first.replay)))
+        for i in range(2, 4):  # graphs made again after the frees: does the count start over?
+            kept.append(capture())
+            rows.append((f"again #{i}", time_per_kernel(first.replay)))
     return rows
 
 
@@ -111,6 +133,7 @@ def main() -> None:
     parser.add_argument("--case", choices=CASES, help="run one case in this process")
     parser.add_argument("--graphs", type=int, default=6)
     parser.add_argument("--nodes", type=int, default=NODES, help="kernels in each graph")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, in order")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     globals()["NODES"] = args.nodes
@@ -119,7 +142,7 @@ def main() -> None:
         return
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, nodes=args.nodes,
                   cases={})  # fmt: skip
-    for case in CASES:
+    for case in args.cases.split(","):
         out = subprocess.run([sys.executable, __file__, "--case", case, "--graphs",
                               str(args.graphs), "--nodes", str(args.nodes)],
                              capture_output=True, text=True, check=True)  # fmt: skip
