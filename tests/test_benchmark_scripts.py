@@ -36,6 +36,17 @@ def test_profile_host_times_every_phase_of_each_step(tmp_path):
         assert ms["wall"] >= ms["host_busy"] > 0
 
 
+def test_bench_generate_records_its_rows_and_the_host_probe(tmp_path):
+    result = run_script("bench_generate.py", "--systems", "paged_ops", "--batches", "1,2",
+                        "--new-tokens", "3", "--prompt-len", "16", "--no-compile",
+                        out=tmp_path / "gen.json")  # fmt: skip
+    probe = result["settings"]["host_probe_ms"]
+    assert len(probe) == 2 and all(ms > 0 for ms in probe)  # the run's start and end
+    rows = result["results"]["paged_ops"]
+    assert [row["batch"] for row in rows] == [1, 2]
+    assert all(row["tok_s"] > 0 and row["steps"] >= 3 for row in rows)
+
+
 def test_compare_engines_runs_variants_and_compares_their_greedy_tokens(tmp_path):
     result = run_script("compare_engines.py", "--batches", "1,2", "--new-tokens", "4",
                         "--variants", "a:", "b:max_num_seqs=4,prefix_caching=False",
