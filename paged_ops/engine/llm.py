@@ -834,11 +834,12 @@ class LLM:
                 for advanced in steps:
                     now = time.perf_counter()
                     new = 0
-                    for seq in advanced:
-                        new += seq.num_generated - seen[seq.seq_id]
-                        seen[seq.seq_id] = seq.num_generated
-                        if first_token[index[seq.seq_id]] is None:
-                            first_token[index[seq.seq_id]] = now - start
+                    for seq in advanced:  # every row of every step: each lookup once
+                        sid, generated = seq.seq_id, seq.num_generated
+                        new += generated - seen[sid]
+                        seen[sid] = generated
+                        if first_token[index[sid]] is None:
+                            first_token[index[sid]] = now - start
                     metrics.num_generated_tokens += new
                     if bar is not None:
                         bar.update(advanced, new, metrics)

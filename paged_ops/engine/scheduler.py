@@ -375,13 +375,15 @@ class Scheduler:
         """
         if running.is_verify:
             return None  # how many tokens each sequence gets is known only once it is read
-        if sum(s.status is SeqStatus.RUNNING for s in running.seqs) != len(self.running):
+        live = SeqStatus.RUNNING  # bound once: the loops below run for every row of every step
+        if sum([s.status is live for s in running.seqs]) != len(self.running):
             return None
         rows: list[int] = []
         starts: list[int] = []  # position of each row's new token
         chunked: list[tuple[Sequence, int]] = []  # mid-prompt sequences: (seq, next position)
+        reaches_length = self._reaches_length
         for i, (seq, n) in enumerate(zip(running.seqs, running.num_new, strict=True)):
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not live:
                 continue  # finished on a stop token in the step before ``running``
             # The step before ``running`` has been postprocessed, so ``seq.tokens`` holds every
             # token but the one ``running`` samples, which goes at position ``pending``.
@@ -389,7 +391,7 @@ class Scheduler:
             if pending != len(seq.tokens):
                 chunked.append((seq, pending))  # a prompt chunk short of the prompt's end
                 continue
-            if self._reaches_length(seq, pending + 1):  # with ``running``'s sample appended
+            if reaches_length(seq, pending + 1):  # with ``running``'s sample appended
                 if self.waiting:
                     return None  # its seat frees: let a waiting request take it in a normal step
                 continue  # finishes on length with ``running``'s token
@@ -475,30 +477,39 @@ class Scheduler:
         extra: list[Any] = list(logprobs) if logprobs is not None else [None] * len(sampled)
         advanced: list[Sequence] = []
         finishing: list[tuple[Sequence, str]] = []
+        # This loop runs for every row of every step (256 rows: ~1 ms of host time on a slow
+        # core), so the usual row (no drafts: one sampled token) takes the short path and the
+        # per-row lookups are bound once.
+        running, drafts, finish_reason = SeqStatus.RUNNING, batch.num_draft, self._finish_reason
+        register = self._register_full_blocks if self.prefix_caching else None
+        block = self.block_size
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True)):
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not running:
                 continue  # stopped in the previous step; this row was scheduled ahead of that
-            verified = batch.num_draft is not None and batch.num_draft[i] > 0
-            kept = accepted[i] if verified and accepted is not None else []
-            if verified:
+            kept = None  # the drafts a verify row accepted
+            if drafts is not None and drafts[i] > 0:
+                kept = accepted[i] if accepted is not None else []
                 n = len(kept) + 1  # the last known token and the accepted drafts: KV kept
             seq.num_computed += n
-            if self.prefix_caching:
-                self._register_full_blocks(seq)
+            if register is not None and seq.num_computed // block > len(seq.block_hashes):
+                register(seq)  # a block filled up (every block_size-th step of a decode row)
             if seq.num_computed < len(seq.tokens):
                 continue  # a prompt chunk: more of the prompt to go before sampling
-            reason = None
-            for token, logprob in zip(
-                [*kept, sampled[i]], [*[None] * len(kept), extra[i]], strict=True
-            ):
-                _append(seq, token, logprob)
-                reason = self._finish_reason(seq)
-                if reason is not None:
-                    break  # drafts accepted after a stop token are dropped
+            if kept is None:
+                _append(seq, sampled[i], extra[i])
+                reason = finish_reason(seq)
+            else:
+                reason = None
+                for token, logprob in zip([*kept, sampled[i]], [*[None] * len(kept), extra[i]],
+                                          strict=True):  # fmt: skip
+                    _append(seq, token, logprob)
+                    reason = finish_reason(seq)
+                    if reason is not None:
+                        break  # drafts accepted after a stop token are dropped
             advanced.append(seq)
             if reason is not None:
                 finishing.append((seq, reason))
-            elif verified:
+            elif kept is not None:
                 self._trim_blocks(seq)
         for j, (row, child) in enumerate(batch.forks):  # before a finished parent frees blocks
             self._fork(batch.seqs[row], child)
