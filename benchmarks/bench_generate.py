@@ -539,15 +539,19 @@ def main() -> None:
                 calculate_kv_scales=args.calculate_kv_scales, tiny=args.tiny,
                 llm_kwargs=args.llm, host_probe_ms=[host_probe_ms()])  # fmt: skip
     print(f"host probe: {meta['host_probe_ms'][0]:.1f} ms", flush=True)
+
+    def save() -> None:  # after every part, so that a timeout keeps what was measured
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"settings": meta, "results": results}, f, indent=2)
+
     if args.warmup_starts > 0:
         import bench_warmup
 
         results["warmup"] = bench_warmup.measure_starts(
             sys.argv[1:], args.warmup_starts, args.warmup_cache_dir
         )
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"settings": meta, "results": results}, f, indent=2)
+        save()
     for name in system_names:
         print(f"{name}:", flush=True)
         try:
@@ -556,14 +560,10 @@ def main() -> None:
             traceback.print_exc()
             results[name] = {"error": f"{type(err).__name__}: {err}"}
         free_memory()
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"settings": meta, "results": results}, f, indent=2)
+        save()
     meta["host_probe_ms"].append(host_probe_ms())
     print(f"host probe at the end: {meta['host_probe_ms'][1]:.1f} ms", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"settings": meta, "results": results}, f, indent=2)
+    save()
     if system_names:
         print_table({k: v for k, v in results.items() if k != "warmup"},
                     [(b, p) for p, bs in groups for b in bs])  # fmt: skip

@@ -17,10 +17,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_decode_linears as bdl  # noqa: E402 (the graph timer)
 
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048),
           "down": (2048, 8192), "lm_head": (128256, 2048)}  # fmt: skip
@@ -28,14 +32,9 @@ ROTATE_BYTES = 256 * 2**20
 
 
 def time_graph(graph: torch.cuda.CUDAGraph, calls: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    """us per ``F.linear`` call: one warm replay, then 10 timed replays of ``calls`` calls."""
     graph.replay()
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (10 * calls)  # us per call
+    return bdl.time_graph(graph, 10) / calls
 
 
 def main() -> None:

@@ -35,6 +35,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_decode_linears as bdl  # noqa: E402 (the 1B chain's weights and graph timer)
+
 from paged_ops.backends import triton_linear_kernels as kernels  # noqa: E402
 
 LINE = 128  # bytes per L2 line request
@@ -79,19 +82,6 @@ def prefetch(t: torch.Tensor, nbytes: int, bulk: bool) -> None:
         _line_prefetch_kernel[grid](t, lines, BLOCK=256, ITERS=iters, num_warps=4)
 
 
-def make_layers(n_layers: int, device: torch.device) -> list[dict]:
-    hidden, qkv, inter = 2048, 3072, 8192
-
-    def w(n: int, k: int) -> torch.Tensor:
-        return torch.randn(n, k, device=device, dtype=torch.bfloat16) / k  # [N, K]
-
-    return [
-        {"qkv": w(qkv, hidden), "o": w(hidden, hidden), "gu": w(2 * inter, hidden),
-         "down": w(hidden, inter)}
-        for _ in range(n_layers)
-    ]  # fmt: skip
-
-
 def make_step(name: str, layers: list[dict], spin_cycles: int, gu_bytes: int, side):  # noqa: ANN001, ANN201
     bulk = "bulk" in name
     what = "o_gu" if name.endswith("o_gu") else "o"
@@ -99,7 +89,7 @@ def make_step(name: str, layers: list[dict], spin_cycles: int, gu_bytes: int, si
     def ask(w: dict) -> None:
         prefetch(w["o"], 1 << 40, bulk)
         if what == "o_gu":
-            prefetch(w["gu"], gu_bytes, bulk)
+            prefetch(w["gate_up"], gu_bytes, bulk)
 
     def step(x: torch.Tensor) -> torch.Tensor:  # [1, 2048] -> [1, 2048]
         h = x
@@ -121,21 +111,11 @@ def make_step(name: str, layers: list[dict], spin_cycles: int, gu_bytes: int, si
             if name == "o_twice":
                 o = kernels.small_linear(a, w["o"])
             h = h + o
-            gu = kernels.small_linear(h, w["gu"])  # [1, 2 * inter]
+            gu = kernels.small_linear(h, w["gate_up"])  # [1, 2 * inter]
             h = h + kernels.silu_mul_linear(gu[:, :inter], gu[:, inter:], w["down"])
         return h
 
     return step
-
-
-def time_graph(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays  # us per replay
 
 
 def main() -> None:
@@ -152,14 +132,14 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
-    layers = make_layers(args.layers, device)
+    layers = bdl.make_layers(*bdl.SHAPES["1b"], args.layers, torch.bfloat16, device)
 
     # calibrate the spin: cycles per us from one graph of 100 spins
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(100):
             torch.cuda._sleep(10_000)
-    per_spin = time_graph(g, 5) / 100
+    per_spin = bdl.time_graph(g, 5) / 100
     cycles = int(10_000 * args.spin_us / per_spin)
     print(f"spin: 10,000 cycles = {per_spin:.2f} us -> {cycles} cycles for {args.spin_us} us")
 
@@ -178,8 +158,8 @@ def main() -> None:
         runs[name] = {"graph": graph, "err": err, "times": []}
     for r in range(args.rounds):
         for name in args.variants if r % 2 == 0 else args.variants[::-1]:
-            time_graph(runs[name]["graph"], 3)
-            runs[name]["times"].append(time_graph(runs[name]["graph"], args.replays))
+            bdl.time_graph(runs[name]["graph"], 3)
+            runs[name]["times"].append(bdl.time_graph(runs[name]["graph"], args.replays))
     rows = []
     base = None
     for name in args.variants:
