@@ -10,11 +10,14 @@ tokens/s per batch size and where their greedy outputs first diverge from the fi
 
 A variant is ``NAME:key=value,...``: ``LLM`` keyword arguments (values are Python literals; bare
 words are strings), or ``inductor.<option>=value`` to patch ``torch._inductor.config`` while that
-variant's LLM is built (its warm-up compiles every shape it will meet). Each variant gets its own
+variant's LLM is built (its warm-up compiles every shape it will meet), or ``env.<NAME>=value`` to
+set an environment variable while that variant is built and runs (e.g. ``env.PAGED_OPS_SPLIT_K_GEMM=0``;
+what a variable decides at capture time holds for the variant's CUDA graphs). Each variant gets its own
 copy of the same random weights (``backend`` defaults to triton on CUDA, reference on CPU),
 128-token prompts and ``--new-tokens`` new tokens; the best of two timed calls per batch size. Then
-16 prompts x 64 greedy tokens from each variant, and the first position where they differ from the
-first variant's (bf16 accumulation order; random weights have near ties).
+``--prompts`` (16) prompts x 64 greedy tokens from each variant, and the first position where they
+differ from the first variant's (bf16 accumulation order; random weights have near ties); a
+kernel that serves only decode steps of 64+ rows needs ``--prompts 64`` or more to be compared.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import ast
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,7 +50,9 @@ def _top_level_split(text: str) -> list[str]:
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """``"NAME:k=v,..."`` -> (name, LLM kwargs, Inductor config patches)."""
+    """``"NAME:k=v,..."`` -> (name, LLM kwargs, Inductor config patches). ``inductor.<option>``
+    keys are Inductor options; ``env.<NAME>`` keys are environment variables, set while the
+    variant's LLM is built and runs (kept with the Inductor options, as strings)."""
     name, _, body = text.partition(":")
     kwargs: dict[str, Any] = {}
     inductor: dict[str, Any] = {}
@@ -60,9 +66,21 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
             value = raw
         if key.startswith("inductor."):
             inductor[key.removeprefix("inductor.")] = value
+        elif key.startswith("env."):
+            inductor[key] = raw
         else:
             kwargs[key] = value
     return name or body, kwargs, inductor
+
+
+def _env_options(options: dict[str, Any]) -> dict[str, str]:
+    """A variant's ``env.<NAME>`` options as ``{NAME: value}``."""
+    return {k.removeprefix("env."): v for k, v in options.items() if k.startswith("env.")}
+
+
+def _inductor_options(options: dict[str, Any]) -> dict[str, Any]:
+    """A variant's Inductor options (all but ``env.*``)."""
+    return {k: v for k, v in options.items() if not k.startswith("env.")}
 
 
 def llm_keywords(text: str) -> dict[str, Any]:
@@ -81,6 +99,8 @@ def main() -> None:
     )
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prompts", type=int, default=16,
+                        help="prompts whose greedy tokens are compared between variants")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -94,12 +114,18 @@ def main() -> None:
     result: dict = dict(
         device=torch.cuda.get_device_name() if on_cuda else "cpu",
         torch=torch.__version__,
-        variants={name: dict(llm=kw, inductor=ind) for name, kw, ind in variants},
+        variants={
+            name: dict(llm=kw, inductor=_inductor_options(opt), env=_env_options(opt))
+            for name, kw, opt in variants
+        },
         tok_s={},
         warmup_s={},
     )
     tokens = {}
-    for name, kwargs, inductor in variants:
+    for name, kwargs, options in variants:
+        env, inductor = _env_options(options), _inductor_options(options)
+        saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         model = bg.build_model(cfg, bg.DEVICE)
         settings = dict(backend="triton" if on_cuda else "reference", max_num_seqs=max(batches),
                         max_model_len=400, max_num_tokens=4096,
@@ -128,12 +154,17 @@ def main() -> None:
                 best = max(best, n / dt)
             result["tok_s"].setdefault(str(b), {})[name] = best
             print(f"  b={b}: {best:,.0f} tok/s", flush=True)
-        outs = llm.generate(bg.prompts(16, 128, cfg.vocab_size, variant=9),
+        outs = llm.generate(bg.prompts(args.prompts, 128, cfg.vocab_size, variant=9),
                             SamplingParams(max_new_tokens=64), use_tqdm=False)  # fmt: skip
         tokens[name] = [o.token_ids for o in outs]
         del llm, model
         if on_cuda:
             torch.cuda.empty_cache()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
     first = variants[0][0]

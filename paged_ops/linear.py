@@ -5,13 +5,18 @@ reaches about half of an H100/H200's copy bandwidth on them. The op runs the Tri
 :mod:`paged_ops.backends.triton_linear_kernels` when it applies (``M <= SMALL_M_MAX`` rows, a
 float16/bfloat16/float32 input on CUDA, or a float16/float32 one on CPU under ``TRITON_INTERPRET=1``
 (whose bfloat16 dots are wrong), a weight whose last
-stride is 1, triton installed) and ``torch.nn.functional.linear`` otherwise, so it is correct for
-any ``M``. Like the attention ops it is defined with the low-level ``torch.library.Library`` API
+stride is 1, triton installed); on a Hopper GPU, a 16-bit batch of 64-256 rows through a deep,
+narrow weight (a gated MLP's down projection) runs the split-K TMA GEMM of
+:mod:`paged_ops.backends.triton_gemm_kernels` (:func:`split_k_gemm_applies`); everything else
+``torch.nn.functional.linear``, so it is correct for any ``M``. Like the attention ops it is defined with the low-level ``torch.library.Library`` API
 and is one opaque node for torch.compile (fake kernel from shapes only); triton loads on the first
 call that uses it, never at ``import paged_ops``.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from paged_ops.triton_dispatch import kernel_module, runs_kernels_on
 
 SMALL_M_MAX = 16  # rows (tokens) up to which the Triton GEMV runs; above it cuBLAS's GEMM
+SPLIT_K_GEMM_ROWS = (64, 256)  # rows (inclusive) at which a deep, narrow weight takes the TMA GEMM
 
 _lib = torch.library.Library("paged_ops", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
 _lib.define("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
@@ -63,6 +69,52 @@ def _use_triton(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def split_k_gemm_applies(
+    m: int, n: int, k: int, dtype: torch.dtype, capability: tuple[int, int]
+) -> bool:
+    """Whether ``x[m, k] @ W[n, k]^T`` is one the split-K TMA GEMM serves faster than cuBLAS: a
+    Hopper GPU (``capability`` 9.x: TMA and wgmma), float16/bfloat16, ``SPLIT_K_GEMM_ROWS`` rows,
+    and a weight at least twice as deep as it is wide with ``k >= 4096`` (the down projection of
+    a gated MLP). Measured on an H200 (benchmarks/NOTES.md section 32): the 1B's 2048 x 8192
+    down projection 18.8 / 14.3 / 12.7 us against cuBLAS's 21.8 / 17.3 / 14.4 at 256 / 128 / 64
+    rows; its q/k/v, o and gate/up (``k <= n``) stay faster on cuBLAS."""
+    lo, hi = SPLIT_K_GEMM_ROWS
+    return (
+        capability[0] == 9
+        and dtype in (torch.float16, torch.bfloat16)
+        and lo <= m <= hi
+        and k >= 4096
+        and k >= 2 * n
+    )
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A 2-D tensor TMA can describe: unit last stride, 16-byte aligned base and row stride."""
+    return (
+        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    )
+
+
+def _use_split_k_gemm(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the split-K TMA GEMM serves ``x2d [M, K] @ weight[N, K]^T`` (CUDA only;
+    ``PAGED_OPS_SPLIT_K_GEMM=0`` turns it off, for A/B runs)."""
+    if not x2d.is_cuda or os.environ.get("PAGED_OPS_SPLIT_K_GEMM", "1") == "0":
+        return False
+    m, k = x2d.shape
+    index = x2d.device.index if x2d.device.index is not None else torch.cuda.current_device()
+    return (
+        split_k_gemm_applies(m, weight.shape[0], k, x2d.dtype, _capability(index))
+        and _tma_ready(x2d)
+        and _tma_ready(weight)
+        and kernel_module("paged_ops.backends.triton_gemm_kernels") is not None
+    )
+
+
 def _small_linear_impl(
     x: torch.Tensor,  # [..., K]
     weight: torch.Tensor,  # [N, K]
@@ -70,6 +122,9 @@ def _small_linear_impl(
 ) -> torch.Tensor:  # [..., N]
     _check(x, weight, bias)
     x2d = x.reshape(-1, x.shape[-1])  # [M, K]; a view when x's layout allows
+    if _use_split_k_gemm(x2d, weight):
+        gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
+        return gemm.split_k_gemm(x2d, weight, bias).view(*x.shape[:-1], weight.shape[0])
     if not _use_triton(x2d, weight):
         return F.linear(x, weight, bias)
     out = _triton_kernels().small_linear(x2d, weight, bias)  # [M, N]
@@ -108,7 +163,8 @@ torch.library.register_autograd(
 def small_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` (``nn.Linear``'s math), with a Triton GEMV for ``M <= 16`` rows.
+    """``x @ weight.T + bias`` (``nn.Linear``'s math), with a Triton GEMV for ``M <= 16`` rows
+    (and a split-K GEMM for 64-256 rows of a down projection on Hopper).
 
     Args:
         x: ``[..., K]``; its leading dims are flattened to ``M`` rows.
@@ -119,7 +175,9 @@ def small_linear(
     Returns:
         ``[..., N]`` in x's dtype, accumulated in float32. The Triton kernel runs for
         float16/bfloat16/float32 on CUDA (float16/float32 on CPU under ``TRITON_INTERPRET=1``)
-        when ``M <= SMALL_M_MAX``; everything else goes to ``torch.nn.functional.linear``.
+        when ``M <= SMALL_M_MAX``; on a Hopper GPU 64-256 rows through a deep, narrow weight
+        take the split-K TMA GEMM (:func:`split_k_gemm_applies`); everything else goes to
+        ``torch.nn.functional.linear``.
 
     Raises:
         ValueError: weight not 2-D, ``K`` or bias shape mismatch, tensors on different devices.

@@ -50,10 +50,13 @@ def test_bench_generate_records_its_rows_and_the_host_probe(tmp_path):
 def test_compare_engines_runs_variants_and_compares_their_greedy_tokens(tmp_path):
     result = run_script("compare_engines.py", "--batches", "1,2", "--new-tokens", "4",
                         "--variants", "a:", "b:max_num_seqs=4,prefix_caching=False",
+                        "c:env.PAGED_OPS_SPLIT_K_GEMM=0",
                         out=tmp_path / "cmp.json")  # fmt: skip
     assert result["variants"]["b"]["llm"] == {"max_num_seqs": 4, "prefix_caching": False}
-    assert set(result["tok_s"]["2"]) == {"a", "b"}
-    assert result["first_divergence"] == {"b": [None] * 16}  # same weights, same greedy tokens
+    assert result["variants"]["c"]["env"] == {"PAGED_OPS_SPLIT_K_GEMM": "0"}
+    assert set(result["tok_s"]["2"]) == {"a", "b", "c"}
+    # same weights, same greedy tokens
+    assert result["first_divergence"] == {"b": [None] * 16, "c": [None] * 16}
 
 
 def test_profile_verify_splits_verify_and_plain_steps(tmp_path):
@@ -180,3 +183,6 @@ def test_llm_keywords_keep_lists_whole():
         "few:cuda_graph_sizes=(1,8),inductor.max_autotune=True"
     )
     assert (name, kwargs, inductor) == ("few", {"cuda_graph_sizes": (1, 8)}, {"max_autotune": True})
+    # environment variables ride with the Inductor options, as strings, prefix kept
+    _, kwargs, options = compare_engines.parse_variant("off:env.PAGED_OPS_SPLIT_K_GEMM=0")
+    assert (kwargs, options) == ({}, {"env.PAGED_OPS_SPLIT_K_GEMM": "0"})

@@ -127,3 +127,47 @@ def test_pdl_launches_wait_for_the_kernel_before_them_in_a_cuda_graph():
         expected = reference(x)
         err = (out.float() - expected).abs().max() / expected.abs().max()
         assert err < 0.03, f"seed {seed}: relative error {err:.3g}"
+
+
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="TMA GEMM: sm_90 only")
+@pytest.mark.parametrize("m", [64, 96, 128, 200, 256])
+def test_down_projection_at_64_to_256_rows_takes_the_split_k_gemm(m, monkeypatch):
+    from paged_ops.backends import triton_gemm_kernels as gemm
+
+    calls = []
+    launch = gemm.split_k_gemm
+    monkeypatch.setattr(gemm, "split_k_gemm", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    n, k = SHAPES_1B["down"]
+    x, w, b = make(m, n, k, seed=m)
+    out = paged_ops.small_linear(x, w, b if m == 96 else None)
+    assert calls == [1] and out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert_close_to_reference(out, x, w, b if m == 96 else None)
+    # the other projections keep cuBLAS, and so does the down projection with the switch off
+    paged_ops.small_linear(x[:, :2048].contiguous(), make(m, 3072, 2048)[1])
+    monkeypatch.setenv("PAGED_OPS_SPLIT_K_GEMM", "0")
+    paged_ops.small_linear(x, w)
+    assert calls == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="TMA GEMM: sm_90 only")
+def test_split_k_gemm_replays_in_a_cuda_graph_on_new_inputs():
+    n, k = SHAPES_1B["down"]
+    x, w, _ = make(256, n, k)
+    stacked = torch.randn(2 * n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    w = torch.as_strided(stacked, (n, k), (k, 1), storage_offset=n * k)  # a view, as fusion makes
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        paged_ops.small_linear(x, w)  # compile the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_ops.small_linear(x, w)
+    for seed in (1, 2):
+        x.copy_(make(256, n, k, seed=seed)[0])
+        graph.replay()
+        assert_close_to_reference(out, x, w, None)
