@@ -21,7 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from paged_ops.triton_dispatch import kernel_module, runs_kernels_on
+from paged_ops.triton_dispatch import kernel_module, num_sms_of, runs_kernels_on
 
 SMALL_M_MAX = 16  # rows (tokens) up to which the Triton GEMV runs; above it cuBLAS's GEMM
 SPLIT_K_GEMM_ROWS = (64, 256)  # rows (inclusive) at which a deep, narrow weight takes the TMA GEMM
@@ -77,7 +77,8 @@ def split_k_gemm_applies(
     and a weight at least twice as deep as it is wide with ``k >= 4096`` (the down projection of
     a gated MLP). Measured on an H200 (benchmarks/NOTES.md section 32): the 1B's 2048 x 8192
     down projection 18.8 / 14.3 / 12.7 us against cuBLAS's 21.8 / 17.3 / 14.4 at 256 / 128 / 64
-    rows; its q/k/v, o and gate/up (``k <= n``) stay faster on cuBLAS."""
+    rows; its q/k/v, o and gate/up (``k <= n``) stay faster on cuBLAS. The op also needs the
+    launch rule to split ``K`` (``gemm_config``), TMA-ready tensors and triton."""
     lo, hi = SPLIT_K_GEMM_ROWS
     return (
         capability[0] == 9
@@ -107,11 +108,18 @@ def _use_split_k_gemm(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     m, k = x2d.shape
     index = x2d.device.index if x2d.device.index is not None else torch.cuda.current_device()
-    return (
+    if not (
         split_k_gemm_applies(m, weight.shape[0], k, x2d.dtype, _capability(index))
         and _tma_ready(x2d)
         and _tma_ready(weight)
-        and kernel_module("paged_ops.backends.triton_gemm_kernels") is not None
+    ):
+        return False
+    gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
+    # its gain is the split: a shape whose tiles alone fill the GPU stays on cuBLAS (the 8B's
+    # 4096 x 14336 down projection at 192-256 rows: 2-4% slower unsplit, section 32)
+    return (
+        gemm is not None
+        and gemm.gemm_config(m, weight.shape[0], k, num_sms_of(x2d.device)).split_k > 1
     )
 
 

@@ -148,9 +148,15 @@ def test_down_projection_at_64_to_256_rows_takes_the_split_k_gemm(m, monkeypatch
     assert_close_to_reference(out, x, w, b if m == 96 else None)
     # the other projections keep cuBLAS, and so does the down projection with the switch off
     paged_ops.small_linear(x[:, :2048].contiguous(), make(m, 3072, 2048)[1])
+    # an 8B's down projection: split (and served) at 64 rows, unsplit (cuBLAS) at 256
+    w8 = make(64, 4096, 14336)[1]
+    paged_ops.small_linear(make(256, 4096, 14336)[0], w8)
+    assert calls == [1]
+    paged_ops.small_linear(make(64, 4096, 14336)[0], w8)
+    assert calls == [1, 1]
     monkeypatch.setenv("PAGED_OPS_SPLIT_K_GEMM", "0")
     paged_ops.small_linear(x, w)
-    assert calls == [1]
+    assert calls == [1, 1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="TMA GEMM: sm_90 only")
