@@ -1,5 +1,6 @@
 """Decode projections at 64-256 rows: cuBLAS vs a Triton GEMM that loads its tiles with TMA
-(tensor descriptors), with split-K, and for the down projection a SiLU-mul prologue.
+(tensor descriptors), with split-K (the engine's ``split_k_gemm``, every launch config), and for
+the down projection a SiLU-mul prologue.
 
 Section 22 of benchmarks/NOTES.md measured a plain pointer-load ``tl.dot`` GEMM 1.3-1.6x slower
 than cuBLAS at these shapes (split 1-2 only, the partials summed by torch). At 256 requests the
@@ -35,30 +36,30 @@ from bench_mid_linear import ROTATE_BYTES, SHAPES, time_calls  # noqa: E402
 
 
 @triton.jit
-def tma_gemm_kernel(
-    a_desc,  # [M, K] bf16; with SILU [M, 2K]: gate | up halves
-    w_desc,  # [N, K] bf16
+def silu_gemm_kernel(
+    gu_desc,  # [M, 2K] bf16 tensor descriptor: gate | up halves, block [BM, BK]
+    w_desc,  # [N, K] bf16, block [BN, BK]
     out_ptr,  # [SPLIT_K, M, N] fp32 partials, or [M, N] bf16 when SPLIT_K == 1
     M, N, K, k_per_split,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-    STAGES: tl.constexpr, SILU: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
+    """``split_k_gemm_kernel`` (paged_ops/backends/triton_gemm_kernels.py) with its A operand
+    ``silu(gate) * up`` formed in registers from two TMA-loaded tiles (the experiment of
+    benchmarks/NOTES.md section 32: slower than Inductor's SiLU-mul kernel + cuBLAS)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BM)
-    pm = pid % num_m  # M fastest: the CTAs that share a weight tile run side by side (one HBM read)
+    pm = pid % num_m
     pn = pid // num_m
     k0 = pid_k * k_per_split
     rm = pm * BM + tl.arange(0, BM)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in tl.range(k0, k0 + k_per_split, BK, num_stages=STAGES):
         w = w_desc.load([pn * BN, k])  # [BN, BK]
-        if SILU:  # gate and up tiles by TMA too; the product formed in registers
-            g = a_desc.load([pm * BM, k]).to(tl.float32)  # [BM, BK]
-            u = a_desc.load([pm * BM, K + k]).to(tl.float32)  # [BM, BK]
-            a = (g / (1.0 + tl.exp(-g)) * u).to(w.dtype)  # [BM, BK]
-        else:
-            a = a_desc.load([pm * BM, k])  # [BM, BK]
+        g = gu_desc.load([pm * BM, k]).to(tl.float32)  # [BM, BK]
+        u = gu_desc.load([pm * BM, K + k]).to(tl.float32)  # [BM, BK]
+        a = (g / (1.0 + tl.exp(-g)) * u).to(w.dtype)  # [BM, BK]
         acc = tl.dot(a, w.T, acc)
     rn = pn * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -66,37 +67,35 @@ def tma_gemm_kernel(
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def split_reduce_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def tma_linear(x: torch.Tensor, w: torch.Tensor, cfg: tuple, silu: bool = False) -> torch.Tensor:
-    """``x @ w.T`` ([M, K] @ [N, K] -> [M, N]); with ``silu``, x is ``[M, 2K]`` gate | up and the
-    product is ``(silu(gate) * up) @ w.T``."""
+    """``x @ w.T`` ([M, K] @ [N, K] -> [M, N]) by the engine's split-K GEMM with launch config
+    ``cfg = (BM, BN, BK, split, warps, stages)``; with ``silu``, x is ``[M, 2K]`` gate | up and
+    the product is ``(silu(gate) * up) @ w.T`` (:func:`silu_gemm_kernel`)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    from paged_ops.backends.triton_gemm_kernels import GemmConfig, split_k_gemm
+    from paged_ops.backends.triton_linear_kernels import split_k_reduce_kernel
+
     bm, bn, bk, split, warps, stages = cfg
+    if not silu:
+        config = GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps,
+                            num_stages=stages)  # fmt: skip
+        return split_k_gemm(x, w, None, config=config)
     n, k = w.shape
     m = x.shape[0]
-    k_per_split = k // split
-    a_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+    gu_desc = TensorDescriptor.from_tensor(x, [bm, bk])
     w_desc = TensorDescriptor.from_tensor(w, [bn, bk])
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     part = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    tma_gemm_kernel[grid](a_desc, w_desc, part, m, n, k, k_per_split,
-                          BM=bm, BN=bn, BK=bk, SPLIT_K=split, STAGES=stages, SILU=silu,
-                          num_warps=warps, num_stages=stages)  # fmt: skip
+    silu_gemm_kernel[grid](gu_desc, w_desc, part, m, n, k, k // split, BM=bm, BN=bn, BK=bk,
+                           SPLIT_K=split, STAGES=stages, num_warps=warps,
+                           num_stages=stages)  # fmt: skip
     if split > 1:
         block = 1024
-        split_reduce_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split,
-                                                          BLOCK=block, num_warps=4)  # fmt: skip
+        split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, part, out, m * n, n, HAS_BIAS=False, SPLIT_K=split, BLOCK=block, num_warps=4
+        )
     return out
 
 
