@@ -8,6 +8,9 @@ names an H100 (sm_90) and launches nothing.
    runs (so the child's cache keys are the ones the JIT's own launches look up);
 4. control: with another empty cache dir, a call does run the code generator.
 
+With the argument ``gemm``, the same for the split-K GEMM that ``small_linear`` runs for 64-256
+rows of a deep, narrow weight (``_call_linears``; the op's CUDA-only route is taken as given).
+
 Prints one JSON line: the counts the test checks.
 """
 
@@ -25,8 +28,9 @@ import torch  # noqa: E402
 from triton.compiler import compiler as triton_compiler  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
+from paged_ops import linear  # noqa: E402
 from paged_ops.backends import triton as triton_backend  # noqa: E402
-from paged_ops.backends import triton_kernels  # noqa: E402
+from paged_ops.backends import triton_gemm_kernels, triton_kernels, triton_linear_kernels  # noqa: E402
 from paged_ops.engine import variant_prebuild  # noqa: E402
 from paged_ops.engine.runner import warm_up_shapes  # noqa: E402
 from paged_ops.module import LayerConfig, PagedAttention  # noqa: E402
@@ -73,6 +77,9 @@ def main() -> None:
 
     triton_compiler.ASTSource.make_ir = counted_make_ir
 
+    if sys.argv[1:] == ["gemm"]:
+        print(json.dumps(gemm_flow(codegen_runs)))
+        return
     layers = [LayerConfig(), LayerConfig(sliding_window=8)]  # two layer kinds
     pa = PagedAttention(
         num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, layers=layers, num_blocks=32,
@@ -96,6 +103,29 @@ def main() -> None:
     variant_prebuild._call_each(pa, work[:1])
     out["codegen_control"] = codegen_runs[0] - before
     print(json.dumps(out))
+
+
+def gemm_flow(codegen_runs: list[int]) -> dict:
+    """Steps 1-4 for ``_call_linears`` on the 1B's down projection (2048 x 8192, float16) and a
+    weight the GEMM does not serve (q/k/v's 3072 x 2048)."""
+    linear._use_split_k_gemm = lambda x, w: w.shape[1] >= 2 * w.shape[0]  # (CUDA-only otherwise)
+    weights = [torch.empty(2048, 8192, dtype=torch.float16),
+               torch.empty(3072, 2048, dtype=torch.float16)]  # fmt: skip
+    steps = [(16, 16), (64, 64), (65, 64), (96, 32), (128, 128), (256, 256), (4096, 64)]
+    with variant_prebuild.recording_variants() as records:
+        recorded_calls = variant_prebuild._call_linears(weights, steps)
+    out = dict(recorded_calls=recorded_calls, records=len(records),
+               kernels=sorted({r["name"] for r in records}), codegen_while_recording=codegen_runs[0])  # fmt: skip
+    out["built"] = variant_prebuild.spawn(records, variant_prebuild.current_target()).wait()
+    out["calls_after"] = variant_prebuild._call_linears(weights, steps)
+    out["codegen_after"] = codegen_runs[0] - out["codegen_while_recording"]
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="prebuild_probe_control_")
+    triton_gemm_kernels.split_k_gemm_kernel.device_caches.clear()
+    triton_linear_kernels.split_k_reduce_kernel.device_caches.clear()
+    before = codegen_runs[0]
+    variant_prebuild._call_linears(weights[:1], steps[1:2])
+    out["codegen_control"] = codegen_runs[0] - before
+    return out
 
 
 if __name__ == "__main__":

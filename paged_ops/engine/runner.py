@@ -244,6 +244,7 @@ class ModelRunner:
         self.fused_groups: list = []  # projection groups whose weights were stacked
         self.num_fused_linears = 0  # linear calls removed from the compiled graph
         self.num_small_linears = 0  # linear calls sent through paged_ops::small_linear
+        self._small_linears = bool(small_linears and compile)
         self.num_fused_norms = 0  # RMSNorms computed inside paged_ops::add_rms_norm_linear
         self.num_fused_mlps = 0  # SiLU-mul products computed inside paged_ops::silu_mul_linear
         self.num_fused_ropes = 0  # q/k/v projections rotating q and k (add_rms_norm_linear)
@@ -561,6 +562,19 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - since
 
+    def _small_linear_weights(self) -> list[torch.Tensor]:
+        """The model's linear weights, one per distinct (shape, strides, dtype), with
+        ``small_linears`` (whose op may run the split-K GEMM on them; the variant prebuild makes
+        its calls on these); none without."""
+        if not self._small_linears:
+            return []
+        distinct: dict[tuple, torch.Tensor] = {}
+        for module in self.model.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(module, torch.nn.Linear) and isinstance(weight, torch.Tensor):
+                distinct.setdefault((tuple(weight.shape), weight.stride(), weight.dtype), weight)
+        return list(distinct.values())
+
     def _graph_steps(self) -> list[tuple[int, int]]:
         """``(T, S)`` of the steps the CUDA graphs capture: decode buckets, then verify buckets
         (``k + 1`` tokens per sequence)."""
@@ -677,7 +691,9 @@ class ModelRunner:
             self._check_loaded_forward(block)
             times["compile_s"] += self._elapsed(t0)
         elif self._compiled and self.device.type == "cuda":  # variants beside the compile
-            prebuild = variant_prebuild.start(self.pa, shapes + self._graph_steps())
+            prebuild = variant_prebuild.start(
+                self.pa, shapes + self._graph_steps(), self._small_linear_weights()
+            )
         try:
             for i, (tokens, seqs) in enumerate(shapes):
                 t0 = time.perf_counter()

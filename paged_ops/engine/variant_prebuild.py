@@ -1,5 +1,5 @@
-"""Compile the triton attention's kernel variants in a child process beside the first start's
-model compile.
+"""Compile the triton attention's kernel variants (and the split-K GEMM's, where
+``small_linear`` will run it) in a child process beside the first start's model compile.
 
 Each launch configuration of the triton backend is a kernel variant that Triton compiles the
 first time a step picks it (~0.5 s each on an H100 host); the warm-up's steps after the first
@@ -25,6 +25,12 @@ Why a process and not a thread: a thread compiling beside Dynamo and Inductor ho
 Python for most of its own compile time (the GIL, taken back after each of Triton's native
 stages), measured on the CPU at 2.5 s of main-thread time lost for 4.1 s of compiles; an H200's
 first starts had the compile phase 27-32 s without and 33-37 s with the thread (NOTES section 21).
+
+The same goes for the split-K TMA GEMM that ``paged_ops.small_linear`` runs for 64-256 rows of a
+deep, narrow weight on Hopper (:mod:`paged_ops.backends.triton_gemm_kernels`): one call per model
+weight and warm-up token count that the op would send there (:func:`_call_linears`), its reduce
+kernel included; they would otherwise compile in the warm-up's later steps (~1.2 s of an H200's
+first start, benchmarks/NOTES.md section 32).
 
 ``PAGED_OPS_PREBUILD_VARIANTS=0`` turns it off (to measure it).
 """
@@ -135,6 +141,33 @@ def _call_each(pa: PagedAttention, work: list[tuple[int, Step]]) -> int:
     return accepted
 
 
+def _call_linears(weights: Sequence[torch.Tensor], steps: Sequence[Step]) -> int:
+    """One split-K GEMM call per (weight, token count of ``steps``) that ``small_linear`` sends
+    to it (``linear._use_split_k_gemm``: the rows, the weight's shape, the GPU), on an input of
+    that many rows; returns how many calls were made."""
+    from paged_ops import linear
+    from paged_ops.triton_dispatch import kernel_module
+
+    lo, hi = linear.SPLIT_K_GEMM_ROWS
+    counts = sorted({tokens for tokens, _ in steps if lo <= tokens <= hi})
+    calls = 0
+    with torch.inference_mode():
+        for weight in weights:
+            for tokens in counts:
+                x = torch.empty((tokens, weight.shape[1]), dtype=weight.dtype,
+                                device=weight.device)  # [T, K]  # fmt: skip
+                if not linear._use_split_k_gemm(x, weight):
+                    continue
+                try:
+                    kernel_module("paged_ops.backends.triton_gemm_kernels").split_k_gemm(x, weight)
+                except Exception as e:  # noqa: BLE001 - the step that meets it compiles it
+                    logger.debug("variant prebuild: the GEMM call for %s at %d rows failed: %r",
+                                 tuple(weight.shape), tokens, e)  # fmt: skip
+                    continue
+                calls += 1
+    return calls
+
+
 @contextlib.contextmanager
 def recording_variants() -> Iterator[list[dict[str, str]]]:
     """Within the block, a paged_ops Triton kernel launched with a variant this process has not
@@ -221,18 +254,22 @@ def spawn(records: list[dict[str, str]], target: dict[str, Any]) -> Prebuild:
     return Prebuild(process, workdir, len(records))
 
 
-def start(pa: PagedAttention, steps: Sequence[Step]) -> Prebuild | None:
+def start(
+    pa: PagedAttention, steps: Sequence[Step], linear_weights: Sequence[torch.Tensor] = ()
+) -> Prebuild | None:
     """Record the variants of ``steps`` (the warm-up's, with its graph buckets) and start the
-    child that compiles them; None when there is nothing to do (no triton layer, off, not CUDA,
-    every variant already built in this process)."""
+    child that compiles them; None when there is nothing to do (no triton layer and no split-K
+    GEMM, off, not CUDA, every variant already built in this process). ``linear_weights``: the
+    model's projection weights that go through ``small_linear`` (:func:`_call_linears`)."""
     if pa.kv_cache.device.type != "cuda" or not enabled():
         return None
     work = _steps_per_variant(pa, steps)
-    if not work:
+    if not work and not linear_weights:
         return None
     try:
         with recording_variants() as records:
             _call_each(pa, work)
+            _call_linears(linear_weights, steps)
         if not records:
             return None
         return spawn(records, current_target())
