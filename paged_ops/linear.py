@@ -3,14 +3,14 @@
 At batch 1..16 a decode step's projections stream their weights once for a few tokens; cuBLAS
 reaches about half of an H100/H200's copy bandwidth on them. The op runs the Triton kernel of
 :mod:`paged_ops.backends.triton_linear_kernels` when it applies (``M <= SMALL_M_MAX`` rows, a
-float16/bfloat16/float32 input on CUDA, or a float16/float32 one on CPU under ``TRITON_INTERPRET=1``
-(whose bfloat16 dots are wrong), a weight whose last
-stride is 1, triton installed); on a Hopper GPU, a 16-bit batch of 64-256 rows through a deep,
-narrow weight (a gated MLP's down projection) runs the split-K TMA GEMM of
-:mod:`paged_ops.backends.triton_gemm_kernels` (:func:`split_k_gemm_applies`); everything else
-``torch.nn.functional.linear``, so it is correct for any ``M``. Like the attention ops it is defined with the low-level ``torch.library.Library`` API
-and is one opaque node for torch.compile (fake kernel from shapes only); triton loads on the first
-call that uses it, never at ``import paged_ops``.
+float16/bfloat16/float32 input on CUDA, or a float16/float32 one on CPU under
+``TRITON_INTERPRET=1`` (whose bfloat16 dots are wrong), a weight whose last stride is 1, triton
+installed); on a Hopper GPU, a 16-bit batch of 64-256 rows through a deep, narrow weight (a gated
+MLP's down projection) runs the split-K TMA GEMM of :mod:`paged_ops.backends.triton_gemm_kernels`
+(:func:`split_k_gemm_applies`); everything else goes to ``torch.nn.functional.linear``, so it is
+correct for any ``M``. Like the attention ops it is defined with the low-level
+``torch.library.Library`` API and is one opaque node for torch.compile (fake kernel from shapes
+only); triton loads on the first call that uses it, never at ``import paged_ops``.
 """
 
 from __future__ import annotations
