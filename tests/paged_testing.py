@@ -1,4 +1,5 @@
-"""Test helpers: random paged batches and an independent float64 dense attention.
+"""Test helpers: random paged batches and an independent float64 dense attention; random operands
+of a linear layer (:func:`linear_operands`).
 
 The dense reference is deliberately written differently from the reference backend: it loops over
 query tokens, builds each one's visible key set explicitly and works in float64 on the un-paged K/V.
@@ -372,3 +373,12 @@ def count_write_kv_launches(monkeypatch) -> list:  # noqa: ANN001 (pytest's Monk
     write_kv = triton_backend.write_kv
     monkeypatch.setattr(triton_backend, "write_kv", lambda *a: calls.append(1) or write_kv(*a))
     return calls
+
+
+def linear_operands(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    """CPU ``x [M, K]``, ``w [N, K]`` (scaled by ``K**-0.5``) and ``b [N]`` (or None) of ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)  # [M, K]
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)  # [N, K]
+    b = torch.randn(n, generator=g).to(dtype) if bias else None  # [N]
+    return x, w, b

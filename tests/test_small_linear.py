@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from paged_testing import linear_operands as make
 
 import paged_ops
 from paged_ops import linear
@@ -28,14 +29,6 @@ CONFIGS = {
     "fma": LinearConfig(block_n=8, block_k=64, use_dot=False),
     "fma_split2": LinearConfig(block_n=16, block_k=32, split_k=2, use_dot=False),
 }
-
-
-def make(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(dtype)  # [M, K]
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)  # [N, K]
-    b = torch.randn(n, generator=g).to(dtype) if bias else None  # [N]
-    return x, w, b
 
 
 def assert_matches(out, x, w, b):

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from paged_testing import linear_operands as make
 
 from paged_ops import linear
 
@@ -19,14 +20,6 @@ def _interpreter_with_descriptors() -> bool:
     except ImportError:
         return False
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def make(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(dtype)  # [M, K]
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)  # [N, K]
-    b = torch.randn(n, generator=g).to(dtype) if bias else None  # [N]
-    return x, w, b
 
 
 @pytest.mark.skipif(
