@@ -101,11 +101,11 @@ def _tma_ready(t: torch.Tensor) -> bool:
     )
 
 
-def _use_split_k_gemm(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the split-K TMA GEMM serves ``x2d [M, K] @ weight[N, K]^T`` (CUDA only;
-    ``PAGED_OPS_SPLIT_K_GEMM=0`` turns it off, for A/B runs)."""
+def _split_k_gemm_config(x2d: torch.Tensor, weight: torch.Tensor):  # -> GemmConfig | None
+    """The split-K TMA GEMM's launch config for ``x2d [M, K] @ weight[N, K]^T`` when that kernel
+    serves it, else None (CUDA only; ``PAGED_OPS_SPLIT_K_GEMM=0`` turns it off, for A/B runs)."""
     if not x2d.is_cuda or os.environ.get("PAGED_OPS_SPLIT_K_GEMM", "1") == "0":
-        return False
+        return None
     m, k = x2d.shape
     index = x2d.device.index if x2d.device.index is not None else torch.cuda.current_device()
     if not (
@@ -113,14 +113,14 @@ def _use_split_k_gemm(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
         and _tma_ready(x2d)
         and _tma_ready(weight)
     ):
-        return False
+        return None
     gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
+    if gemm is None:
+        return None
+    config = gemm.gemm_config(m, weight.shape[0], k, num_sms_of(x2d.device))
     # its gain is the split: a shape whose tiles alone fill the GPU stays on cuBLAS (the 8B's
     # 4096 x 14336 down projection at 192-256 rows: 2-4% slower unsplit, section 32)
-    return (
-        gemm is not None
-        and gemm.gemm_config(m, weight.shape[0], k, num_sms_of(x2d.device)).split_k > 1
-    )
+    return config if config.split_k > 1 else None
 
 
 def _small_linear_impl(
@@ -130,9 +130,11 @@ def _small_linear_impl(
 ) -> torch.Tensor:  # [..., N]
     _check(x, weight, bias)
     x2d = x.reshape(-1, x.shape[-1])  # [M, K]; a view when x's layout allows
-    if _use_split_k_gemm(x2d, weight):
+    config = _split_k_gemm_config(x2d, weight)
+    if config is not None:
         gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
-        return gemm.split_k_gemm(x2d, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        out = gemm.split_k_gemm(x2d, weight, bias, config=config)  # [M, N]
+        return out.view(*x.shape[:-1], weight.shape[0])
     if not _use_triton(x2d, weight):
         return F.linear(x, weight, bias)
     out = _triton_kernels().small_linear(x2d, weight, bias)  # [M, N]

@@ -85,5 +85,5 @@ def test_small_linear_keeps_cpu_tensors_off_the_gemm(monkeypatch):
     calls = []
     monkeypatch.setattr(linear, "split_k_gemm_applies", lambda *a: calls.append(a) or True)
     x, w, _ = make(64, 16, 64, torch.float32, bias=False)
-    assert not linear._use_split_k_gemm(x, w) and not calls
+    assert linear._split_k_gemm_config(x, w) is None and not calls
     torch.testing.assert_close(linear.small_linear(x, w), x @ w.T)

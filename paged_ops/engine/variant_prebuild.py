@@ -143,7 +143,7 @@ def _call_each(pa: PagedAttention, work: list[tuple[int, Step]]) -> int:
 
 def _call_linears(weights: Sequence[torch.Tensor], steps: Sequence[Step]) -> int:
     """One split-K GEMM call per (weight, token count of ``steps``) that ``small_linear`` sends
-    to it (``linear._use_split_k_gemm``: the rows, the weight's shape, the GPU), on an input of
+    to it (``linear._split_k_gemm_config``: the rows, the weight's shape, the GPU), on an input of
     that many rows; returns how many calls were made."""
     from paged_ops import linear
     from paged_ops.triton_dispatch import kernel_module
@@ -156,10 +156,12 @@ def _call_linears(weights: Sequence[torch.Tensor], steps: Sequence[Step]) -> int
             for tokens in counts:
                 x = torch.empty((tokens, weight.shape[1]), dtype=weight.dtype,
                                 device=weight.device)  # [T, K]  # fmt: skip
-                if not linear._use_split_k_gemm(x, weight):
+                config = linear._split_k_gemm_config(x, weight)
+                if config is None:
                     continue
                 try:
-                    kernel_module("paged_ops.backends.triton_gemm_kernels").split_k_gemm(x, weight)
+                    gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
+                    gemm.split_k_gemm(x, weight, config=config)
                 except Exception as e:  # noqa: BLE001 - the step that meets it compiles it
                     logger.debug("variant prebuild: the GEMM call for %s at %d rows failed: %r",
                                  tuple(weight.shape), tokens, e)  # fmt: skip
