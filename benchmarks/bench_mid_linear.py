@@ -17,6 +17,7 @@ import itertools
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -90,6 +91,53 @@ def time_calls(fn, weights, x, calls: int) -> float:
     return time_graph(lambda: fn(x, next(cycle)), calls, replays=5) * 1e6
 
 
+def time_candidates(
+    shape: str,
+    x: torch.Tensor,  # [M, K] (or whatever the candidates take)
+    weights: list[torch.Tensor],  # copies of one [N, K] weight
+    ref: torch.Tensor,  # [M, N] float32, the product on weights[0]
+    candidates: list[tuple[str, Callable]],  # (label, fn(x, w)); "cublas" among them
+    rounds: int,
+    top: int = 5,
+    skip_errors: bool = False,
+    note: Callable[[], str] = lambda: "",
+) -> list[dict]:
+    """Each candidate's max relative error against ``ref`` on ``weights[0]``, then ``rounds``
+    alternating rounds of :func:`time_calls`; prints and returns rows (median us, TFLOP/s, ratio
+    to cuBLAS) for cuBLAS and the ``top`` fastest others. With ``skip_errors`` a candidate whose
+    first call raises (a config the compiler refuses) is reported and left out; ``note()`` ends
+    each printed line."""
+    m = x.shape[0]
+    n, k = weights[0].shape
+    flops = 2 * m * n * k
+    errs = {}
+    for label, fn in candidates:
+        try:
+            out = fn(x, weights[0]).float()
+        except Exception as exc:
+            if not skip_errors:
+                raise
+            print(f"{shape} M={m} {label}: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        errs[label] = float((out - ref).abs().max() / ref.abs().max())
+    live = [(label, fn) for label, fn in candidates if label in errs]
+    times: dict[str, list[float]] = {label: [] for label, _ in live}
+    for r in range(rounds):
+        for label, fn in live if r % 2 == 0 else live[::-1]:
+            times[label].append(time_calls(fn, weights, x, 64))
+    best = sorted(times, key=lambda lb: statistics.median(times[lb]))
+    base = statistics.median(times["cublas"])
+    rows = []
+    for label in ["cublas", *[b for b in best if b != "cublas"][:top]]:
+        us = statistics.median(times[label])
+        row = dict(shape=shape, m=m, n=n, k=k, config=label, us=us, tflops=flops / us / 1e6,
+                   vs_cublas=base / us, err=errs[label], rounds=times[label])  # fmt: skip
+        rows.append(row)
+        print(f"{shape:9s} M={m:4d} {label:28s} {us:8.2f} us {row['tflops']:6.1f} TFLOP/s "
+              f"x{row['vs_cublas']:.3f} err {errs[label]:.1e}{note()}", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ms", default="64,128,256")
@@ -115,29 +163,10 @@ def main() -> None:
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = F.linear(x, weights[0]).float()
-            flops = 2 * m * n * k
-            candidates = [("cublas", None)] + [(str(c), c) for c in configs]
-            times = {label: [] for label, _ in candidates}
-            errs = {}
-            for label, cfg in candidates:
-                fn = F.linear if cfg is None else (lambda a, b, c=cfg: triton_linear(a, b, c))
-                out = fn(x, weights[0]).float()
-                errs[label] = float((out - ref).abs().max() / ref.abs().max())
-            for r in range(args.rounds):
-                order = candidates if r % 2 == 0 else candidates[::-1]
-                for label, cfg in order:
-                    fn = F.linear if cfg is None else (lambda a, b, c=cfg: triton_linear(a, b, c))
-                    times[label].append(time_calls(fn, weights, x, 64))
-            best = sorted(times, key=lambda lb: statistics.median(times[lb]))
-            base = statistics.median(times["cublas"])
-            for label in ["cublas", *[b for b in best if b != "cublas"][:5]]:
-                us = statistics.median(times[label])
-                row = dict(shape=name, m=m, n=n, k=k, config=label, us=us,
-                           tflops=flops / us / 1e6, vs_cublas=base / us, err=errs[label],
-                           rounds=times[label])  # fmt: skip
-                rows.append(row)
-                print(f"{name:8s} M={m:4d} {label:28s} {us:8.2f} us {row['tflops']:6.1f} TFLOP/s "
-                      f"x{row['vs_cublas']:.3f} err {errs[label]:.1e}", flush=True)  # fmt: skip
+            candidates = [("cublas", F.linear)] + [
+                (str(c), lambda a, b, c=c: triton_linear(a, b, c)) for c in configs
+            ]
+            rows += time_candidates(name, x, weights, ref, candidates, args.rounds)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows},

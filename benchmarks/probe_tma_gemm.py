@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_mid_linear import ROTATE_BYTES, SHAPES, time_calls  # noqa: E402
+from bench_mid_linear import ROTATE_BYTES, SHAPES, time_calls, time_candidates  # noqa: E402
 
 
 @triton.jit
@@ -184,39 +184,12 @@ def main() -> None:
                 base = F.linear
             ref = (F.linear(silu_mul(x).float(), weights[0].float()) if silu
                    else F.linear(x.float(), weights[0].float()))  # fmt: skip
-            flops = 2 * m * n * k
-            candidates = [("cublas", None)] + [(str(c), c) for c in configs(m, n, k)]
-            times: dict[str, list[float]] = {}
-            errs = {}
-            for label, cfg in candidates:
-                fn = base if cfg is None else (lambda a, b, c=cfg, s=silu: tma_linear(a, b, c, s))
-                try:
-                    out = fn(x, weights[0]).float()
-                except Exception as exc:  # noqa: BLE001 (a config the compiler refuses: skip it)
-                    print(f"{name} M={m} {label}: {type(exc).__name__}: {str(exc)[:120]}")
-                    continue
-                errs[label] = float((out - ref).abs().max() / ref.abs().max())
-                times[label] = []
-            live = [(lb, c) for lb, c in candidates if lb in times]
-            for r in range(args.rounds):
-                for label, cfg in live if r % 2 == 0 else live[::-1]:
-                    fn = (
-                        base
-                        if cfg is None
-                        else (lambda a, b, c=cfg, s=silu: tma_linear(a, b, c, s))
-                    )
-                    times[label].append(time_calls(fn, weights, x, 64))
-            ranked = sorted(times, key=lambda lb: statistics.median(times[lb]))
-            cublas = statistics.median(times["cublas"])
-            for label in ["cublas", *[b for b in ranked if b != "cublas"][: args.top]]:
-                us = statistics.median(times[label])
-                row = dict(shape=name, m=m, n=n, k=k, config=label, us=us,
-                           tflops=flops / us / 1e6, vs_cublas=cublas / us, err=errs[label],
-                           rounds=times[label])  # fmt: skip
-                rows.append(row)
-                print(f"{name:9s} M={m:4d} {label:28s} {us:8.2f} us {row['tflops']:6.1f} TFLOP/s "
-                      f"x{row['vs_cublas']:.3f} err {errs[label]:.1e}  [{time.perf_counter() - t0:.0f} s]",
-                      flush=True)  # fmt: skip
+            candidates = [("cublas", base)] + [
+                (str(c), lambda a, b, c=c, s=silu: tma_linear(a, b, c, s)) for c in configs(m, n, k)
+            ]
+            rows += time_candidates(name, x, weights, ref, candidates, args.rounds, top=args.top,
+                                    skip_errors=True,
+                                    note=lambda: f"  [{time.perf_counter() - t0:.0f} s]")  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
