@@ -394,15 +394,20 @@ def test_a_decode_step_written_by_the_attention_kernel_equals_write_kv_then_atte
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("first_blocks", [0, 1])
 @pytest.mark.parametrize("num_segments", [1, 2])
-def test_a_decode_row_whose_query_is_padding_writes_nothing_and_reads_the_cache(num_segments):
+def test_a_decode_row_whose_query_is_padding_writes_nothing_and_reads_the_cache(
+    num_segments, first_blocks
+):
     """A left-padded Hugging Face batch's decode step: a row whose one query is padding (slot -1,
     its KV length unchanged) must read the cache's row at its last position, not the step's
     (random) key, and write nothing: as write_kv then attention."""
     seqs = [(9, 1), (7, 0), (21, 1)]
     kwargs = dict(num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=4, pad_tokens=1,
                   seed=5)  # fmt: skip
-    cfg = triton_backend.LaunchConfig(16, 4, 16, num_segments, 4, 2, heads_fastest=1)
+    cfg = triton_backend.LaunchConfig(
+        16, 4, 16, num_segments, 4, 2, heads_fastest=1, first_blocks=first_blocks
+    )
 
     def batch():
         return with_leading_padding(make_batch(seqs, **kwargs), [0, 1, 0])

@@ -451,19 +451,38 @@ def paged_attention_kernel(
         row_head = (offs_m % GROUP) // (GROUP // KV_HEADS)  # [BLOCK_M] each row's KV head
         own = col_head[None, :] == row_head[:, None]  # [BLOCK_M, KV_HEADS * D_PAD]
 
-    # Spare programs (past every sequence's query blocks) zero the padded query rows.
-    tail = pid - (tl.load(cu_ptr + num_seqs) // BLOCK_Q + num_seqs)
-    if tail >= 0:
-        if NUM_SEGMENTS == 1:
-            _zero_spare_rows(
-                out_ptr, cu_ptr, num_seqs, num_tokens, tail, head, offs_m, offs_d, d_mask,
-                stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, D_PAD,
-            )  # fmt: skip
-        return
+    if WRITE_KV and FIRST_BLOCKS:
+        # A decode step (one query token per sequence): program s < S holds sequence s's only
+        # query block, with no search and no load before its metadata's (the programs >= S
+        # zero the padded query rows or have nothing to do). Two to three dependent L2 round
+        # trips fewer per program (benchmarks/NOTES.md section 33).
+        if pid >= num_seqs:
+            tail = pid - (tl.load(cu_ptr + num_seqs) // BLOCK_Q + num_seqs)
+            if (tail >= 0) & (NUM_SEGMENTS == 1):
+                _zero_spare_rows(
+                    out_ptr, cu_ptr, num_seqs, num_tokens, tail, head, offs_m, offs_d, d_mask,
+                    stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, D_PAD,
+                )  # fmt: skip
+            return
+        seq = pid
+        q_start = tl.load(cu_ptr + seq)
+        q_len = tl.load(cu_ptr + seq + 1) - q_start
+        local = 0
+        kv_len = tl.load(seq_lens_ptr + seq)
+    else:
+        # Spare programs (past every sequence's query blocks) zero the padded query rows.
+        tail = pid - (tl.load(cu_ptr + num_seqs) // BLOCK_Q + num_seqs)
+        if tail >= 0:
+            if NUM_SEGMENTS == 1:
+                _zero_spare_rows(
+                    out_ptr, cu_ptr, num_seqs, num_tokens, tail, head, offs_m, offs_d, d_mask,
+                    stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, D_PAD,
+                )  # fmt: skip
+            return
 
-    seq, q_start, q_len, local, kv_len = _locate_query_block(
-        cu_ptr, seq_lens_ptr, pid, num_seqs, BLOCK_Q, FIRST_BLOCKS
-    )
+        seq, q_start, q_len, local, kv_len = _locate_query_block(
+            cu_ptr, seq_lens_ptr, pid, num_seqs, BLOCK_Q, FIRST_BLOCKS
+        )
     if local * BLOCK_Q >= q_len:
         return
     context = kv_len - q_len  # absolute position of the sequence's first query token
