@@ -133,12 +133,28 @@ def decode_rows(
     return rows
 
 
-def compare_rows(calls: int, shapes, specs: list[str], rounds: int) -> list[dict]:
+def decode_write(args) -> dict:
+    """A decode step's new K/V for ``args`` (each sequence's token at its last position):
+    ``paged_attention``'s ``new_key``/``new_value``/``slot_mapping`` keywords."""
+    query, _, _, lens, table = args
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batch = lens.shape[0]
+    new_k = torch.randn(batch, HKV, D, device="cuda", generator=g).to(query.dtype)
+    new_v = torch.randn(batch, HKV, D, device="cuda", generator=g).to(query.dtype)
+    pos = lens.long() - 1
+    slots = table.long().gather(1, (pos // BLOCK)[:, None])[:, 0] * BLOCK + pos % BLOCK
+    return dict(new_key=new_k, new_value=new_v, slot_mapping=slots)
+
+
+def compare_rows(
+    calls: int, shapes, specs: list[str], rounds: int, write_kv: bool = False
+) -> list[dict]:
     """Alternating A/B of launch overrides on the default decode launch: per shape, ``rounds``
     rounds that time every spec of ``specs`` (``"field=value,..."``; ``""`` is the default) back
     to back, the order reversed every other round; one row per spec with the median time, every
     round's time, and the largest output difference from the first spec's (0 for a change that
-    must not alter results)."""
+    must not alter results). ``write_kv``: each call also writes the step's K/V (the engine's
+    decode steps, ``decode_write``)."""
     rows = []
     for batch, ctx in shapes:
         args = make_step([1] * batch, [ctx] * batch)
@@ -148,7 +164,8 @@ def compare_rows(calls: int, shapes, specs: list[str], rounds: int) -> list[dict
             dataclasses.replace(default, **(tb.parse_launch_overrides(sp) if sp else {}))
             for sp in specs
         ]
-        fns = [attention(args, config=c) for c in cfgs]
+        extra = decode_write(args) if write_kv else {}
+        fns = [attention(args, config=c, **extra) for c in cfgs]
         outs = [fn() for fn in fns]
         diffs = [float((o.float() - outs[0].float()).abs().max()) for o in outs]
         times = alternating_times(fns, calls, rounds)
@@ -170,11 +187,8 @@ def write_kv_ab_rows(calls: int, shapes, rounds: int) -> list[dict]:
     rows = []
     for batch, ctx in shapes:
         query, cache, cu, lens, table = args = make_step([1] * batch, [ctx] * batch)
-        g = torch.Generator(device="cuda").manual_seed(1)
-        new_k = torch.randn(batch, HKV, D, device="cuda", generator=g).to(query.dtype)
-        new_v = torch.randn(batch, HKV, D, device="cuda", generator=g).to(query.dtype)
-        pos = lens.long() - 1
-        slots = table.long().gather(1, (pos // BLOCK)[:, None])[:, 0] * BLOCK + pos % BLOCK
+        write = decode_write(args)
+        new_k, new_v, slots = write["new_key"], write["new_value"], write["slot_mapping"]
         cfg = default_config(args)
         attend = attention(args, config=cfg)
 
@@ -340,6 +354,8 @@ def main() -> None:
                         "overrides on the decode shapes ('' = the default launch), e.g. "
                         "'' l2_prefetch=1 l2_prefetch=2")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="rounds of --compare")
+    parser.add_argument("--write-kv", action="store_true", help="--compare: every call also "
+                        "writes the decode step's K/V (the engine's decode steps)")  # fmt: skip
     parser.add_argument("--write-kv-ab", action="store_true", help="instead of the tables: "
                         "write_kv + attention vs the attention kernel writing the decode step's "
                         "K/V itself, alternating rounds on the decode shapes")  # fmt: skip
@@ -356,7 +372,7 @@ def main() -> None:
         if a.write_kv_ab:
             rows = write_kv_ab_rows(a.calls, shapes, a.rounds)
         else:
-            rows = compare_rows(a.calls, shapes, a.compare, a.rounds)
+            rows = compare_rows(a.calls, shapes, a.compare, a.rounds, a.write_kv)
             print(f"{'batch':>6} {'ctx':>6} {'spec':28} {'median us':>10} {'TB/s':>6} "
                   f"{'max diff':>9}")  # fmt: skip
             for r in rows:
