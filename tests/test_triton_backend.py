@@ -489,6 +489,30 @@ def test_fp8_decode_at_head_size_128_caps_registers_and_splits_to_fill_the_waves
     assert triton_backend.launch_config(num_tokens=4096, num_seqs=2, **fp8).maxnreg is None
 
 
+def test_bf16_decode_at_head_size_64_pairs_kv_heads_only_with_six_programs_per_sm():
+    """A 16-bit cache at D=64: decode steps of >= 6 (sequence, KV head) programs per SM read two
+    KV heads per program with 64-wide tiles (NOTES.md section 33); fewer programs, other head
+    sizes, FP8 caches, odd KV head counts and prefill steps keep their launches."""
+    common = dict(num_q_heads=32, num_kv_heads=8, head_dim=64, num_sms=132, max_kv_len=512)
+    choose = triton_backend.launch_config
+
+    def decode(batch: int, **kwargs):
+        return choose(**{**common, "num_tokens": batch, "num_seqs": batch, **kwargs})
+
+    for batch in (99, 128, 256):  # 99 x 8 = 792 = 6 x 132 programs: the first that pairs
+        cfg = decode(batch)
+        assert (cfg.kv_heads, cfg.block_q, cfg.tile_n, cfg.num_warps) == (2, 2, 64, 4), batch
+        assert (cfg.first_blocks, cfg.heads_fastest, cfg.num_segments) == (1, 1, 1), batch
+    assert (decode(98).kv_heads, decode(98).tile_n) == (1, 128)
+    assert decode(256, num_sms=400).kv_heads == 1  # 2,048 programs < 6 x 400
+    assert decode(256, head_dim=128).kv_heads == 1
+    assert decode(256, num_q_heads=28, num_kv_heads=7).kv_heads == 1
+    fp8 = decode(256, fp8_cache=True)
+    assert (fp8.kv_heads, fp8.tile_n) == (2, 128)  # FP8's own pairs, 128-wide tiles
+    prefill = choose(**{**common, "num_tokens": 4096, "num_seqs": 256})
+    assert prefill.kv_heads == 1
+
+
 def test_plain_causal_prefill_steps_take_the_prefill_kernel_and_others_the_unified_one():
     common = dict(num_q_heads=32, num_kv_heads=8, max_kv_len=4096, num_sms=132)
     choose = triton_backend.launch_config

@@ -196,7 +196,9 @@ def launch_config(
     H100 sweeps, benchmarks/NOTES.md §10: 64 x 4096 291 -> 271 -> 207 us, 256 x 4096 1,094 ->
     949 -> 801 us); at D <= 64, 2 stages and no forced split (64 x 4096: 169 -> 137 us). A
     bf16/fp16 cache at D <= 64 decodes with 128-wide KV tiles too (H200 sweep, NOTES.md section
-    12: 64 x 4096 154.6 -> 134.9 us, 8 x 16384 89.8 -> 71.9 us).
+    12: 64 x 4096 154.6 -> 134.9 us, 8 x 16384 89.8 -> 71.9 us), except at D=64 in steps of at
+    least six (sequence, KV head) programs per SM: two KV heads per program, 64-wide tiles
+    (NOTES.md section 33).
     Prefill and mixed steps of plain causal layers (``plain_causal``: no window, softcap, sinks
     or ALiBi; on an FP8 cache only the long-prompt steps) with D <= 128 run the prefill kernel
     (masks only on the diagonal tiles, unpredicated loads): 64 x 64 tiles and 4 warps, or 128 x 128 and 8 warps when the step
@@ -213,7 +215,19 @@ def launch_config(
     # 13.4 vs 18.1 us; 2 x 16384 equal): there the split is latency-bound and a pair program
     # does twice the work of a one-head program.
     pairs = fp8_decode and d_pad == 64 and num_kv_heads % 2 == 0 and num_seqs * num_kv_heads >= 16
-    kv_heads = 2 if pairs else 1
+    # A 16/32-bit cache at D=64 pairs its KV heads too, with 64-wide KV tiles, where a decode
+    # step has at least six working programs per SM: each program reads 256-byte rows, and half
+    # as many programs pay the per-program metadata round trips, in the same shared memory (H200,
+    # with the K/V write, NOTES.md section 33: 256 x 128 27.7 -> 24.3 us, 256 x 256 42.8 -> 40.5,
+    # 256 x 384 58.7 -> 55.7; 64 x 384 14.2 -> 17.3, so not for fewer programs).
+    wide_rows = (
+        decode_like
+        and not fp8_cache
+        and d_pad == 64
+        and num_kv_heads % 2 == 0
+        and num_seqs * num_kv_heads >= 6 * num_sms
+    )
+    kv_heads = 2 if pairs or wide_rows else 1
     rows_per_token = group * kv_heads
     block_m = max(16 if decode_like else 64, _next_power_of_2(rows_per_token))
     block_q = block_m // rows_per_token
@@ -223,7 +237,7 @@ def launch_config(
     # its own stages, register cap and split rule
     fp8_decode_128 = fp8_decode and d_pad * kv_heads > 64
     if fp8_decode or (decode_like and d_pad <= 64):
-        tile_n = 128
+        tile_n = 64 if wide_rows else 128
     if num_segments is None:
         programs = (num_tokens // block_q + num_seqs + 1) * (num_kv_heads // kv_heads)
         kv_tiles = _cdiv(max(max_kv_len, 1), tile_n)
