@@ -197,7 +197,7 @@ def launch_config(
     949 -> 801 us); at D <= 64, 2 stages and no forced split (64 x 4096: 169 -> 137 us). A
     bf16/fp16 cache at D <= 64 decodes with 128-wide KV tiles too (H200 sweep, NOTES.md section
     12: 64 x 4096 154.6 -> 134.9 us, 8 x 16384 89.8 -> 71.9 us), except at D=64 in steps of at
-    least six (sequence, KV head) programs per SM: two KV heads per program, 64-wide tiles
+    least four (sequence, KV head) programs per SM: two KV heads per program, 64-wide tiles
     (NOTES.md section 33).
     Prefill and mixed steps of plain causal layers (``plain_causal``: no window, softcap, sinks
     or ALiBi; on an FP8 cache only the long-prompt steps) with D <= 128 run the prefill kernel
@@ -216,16 +216,17 @@ def launch_config(
     # does twice the work of a one-head program.
     pairs = fp8_decode and d_pad == 64 and num_kv_heads % 2 == 0 and num_seqs * num_kv_heads >= 16
     # A 16/32-bit cache at D=64 pairs its KV heads too, with 64-wide KV tiles, where a decode
-    # step has at least six working programs per SM: each program reads 256-byte rows, and half
-    # as many programs pay the per-program metadata round trips, in the same shared memory (H200,
-    # with the K/V write, NOTES.md section 33: 256 x 128 27.7 -> 24.3 us, 256 x 256 42.8 -> 40.5,
-    # 256 x 384 58.7 -> 55.7; 64 x 384 14.2 -> 17.3, so not for fewer programs).
+    # step has at least four (sequence, KV head) programs per SM, so two pair programs: each
+    # reads 256-byte rows, and half as many programs pay the per-program metadata round trips,
+    # in the same shared memory (H200, with the K/V write, NOTES.md section 33: 256 x 128 27.7
+    # -> 24.3 us, 256 x 384 58.7 -> 55.7, 72 x 256 13.5 -> 12.1; at 64 sequences of 8 KV heads,
+    # 512 programs, it loses at every context: 64 x 256 9.5 -> 10.9, 64 x 384 14.2 -> 17.3).
     wide_rows = (
         decode_like
         and not fp8_cache
         and d_pad == 64
         and num_kv_heads % 2 == 0
-        and num_seqs * num_kv_heads >= 6 * num_sms
+        and num_seqs * num_kv_heads >= 4 * num_sms
     )
     kv_heads = 2 if pairs or wide_rows else 1
     rows_per_token = group * kv_heads
