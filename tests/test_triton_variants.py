@@ -31,6 +31,7 @@ GEOMETRIES = [  # (q heads, kv heads, head size, FP8 cache, plain causal)
     (32, 8, 64, False, True),  # Llama-3.2-1B
     (32, 8, 128, True, True),  # FP8 decode at D=128: its own split rule
     (14, 2, 64, True, True),  # FP8 at D=64, group 7: KV heads in pairs, one query token a block
+    (14, 2, 64, False, True),  # bf16 at D=64, 2 KV heads: pairs from S >= 2 x SMs (past the SMs)
     (14, 2, 128, False, False),  # a window or softcap: never the prefill kernel
     (8, 1, 256, False, True),  # MQA at D=256
     (16, 16, 64, True, True),  # MHA

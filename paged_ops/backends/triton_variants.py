@@ -15,7 +15,9 @@ against the brute force over whole domains in ``tests/test_triton_variants.py``)
 * the KV split comes from the programs ``(T // block_q + S + 1) x heads`` when they are fewer than
   the SMs, so it only shrinks as ``T`` grows, and a step of ``S >= num_sms`` sequences never splits
   (its FP8 decode split, from ``max(S, ceil(T / block_q)) x heads``, still varies with both);
-* past those, a decode-like step's configuration depends on ``max(S, ceil(T / block_q))`` alone.
+* past those, a decode-like step's configuration depends on ``max(S, ceil(T / block_q))`` and,
+  through the KV-head pairs of a 16-bit cache at D=64 (from ``S x Hkv >= 4 x num_sms``), on
+  ``S``: the probe at ``(S, S)`` for every ``S`` meets both.
 
 A variant is also told apart by whether the attention kernel writes the step's K/V itself (a
 decode step of a layer whose decode steps do: :func:`step_variant`). Warm-up steps give each
