@@ -7,7 +7,9 @@ several replays of ``--calls`` back-to-back kernel calls. Decode reports KV byte
     python benchmarks/bench_triton.py --json out.json [--sweep]
     python benchmarks/bench_triton.py --head-dim 256 --sweep --sweep-kinds decode   # D=256 tiles
     python benchmarks/bench_triton.py --kv-dtype fp8_e4m3 --sweep --sweep-kinds decode  # FP8 cache
-    python benchmarks/bench_triton.py --compare '' l2_prefetch=1 --rounds 5   # alternating A/B
+    python benchmarks/bench_triton.py --compare '' num_stages=3 --rounds 5   # alternating A/B
+    python benchmarks/bench_triton.py --head-dim 64 --decode-shapes 256x256 --write-kv \
+        --compare '' kv_heads=1,block_q=4,tile_n=128   # A/B with the decode step's K/V write
     python benchmarks/bench_triton.py --head-dim 64 --decode-shapes 2x512,256x384 --write-kv-ab
         # write_kv + attention vs the attention kernel writing the decode step's K/V itself
 
@@ -352,7 +354,7 @@ def main() -> None:
     parser.add_argument("--compare", nargs="+", default=None, metavar="SPEC",
                         help="instead of the tables: alternating rounds of these launch "
                         "overrides on the decode shapes ('' = the default launch), e.g. "
-                        "'' l2_prefetch=1 l2_prefetch=2")  # fmt: skip
+                        "'' num_stages=3 tile_n=64")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="rounds of --compare")
     parser.add_argument("--write-kv", action="store_true", help="--compare: every call also "
                         "writes the decode step's K/V (the engine's decode steps)")  # fmt: skip
