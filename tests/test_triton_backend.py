@@ -394,6 +394,38 @@ def test_a_decode_step_written_by_the_attention_kernel_equals_write_kv_then_atte
         )  # fmt: skip
 
 
+def test_the_default_decode_launch_with_kv_head_pairs_writes_and_attends_like_two_launches():
+    """D=64 on a 16-bit cache with >= 4 (sequence, KV head) programs per SM (every step on a CPU,
+    which counts one SM): the default launch pairs the KV heads with 64-wide tiles (NOTES.md
+    section 33). Through the real default, with the kernel writing the step's K/V, the cache and
+    output equal write_kv then attention at one head per program, and dense float64 agrees."""
+    seqs = [(70, 1), (7, 0), (129, 1), (0, 1), (63, 1)]  # contexts over 1-3 tiles of 64
+    kwargs = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, pad_tokens=2,
+                  pad_seqs=1, seed=3)  # fmt: skip
+    one_launch = make_batch(seqs, **kwargs)
+    default = small_launch_of(one_launch)
+    assert (default.kv_heads, default.block_q, default.tile_n) == (2, 2, 64)
+    got = attend_writing_kv(one_launch)
+    two_launches = make_batch(seqs, **kwargs)
+    one_head = dataclasses.replace(default, kv_heads=1, block_q=4, tile_n=128)
+    expected = run_triton(two_launches, config=one_head)
+    assert torch.equal(one_launch.kv_cache, two_launches.kv_cache)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert_matches_dense(got, one_launch, dense_batch_f64(one_launch, scale=64**-0.5), rtol=1e-5)
+    assert_padding_rows_zero(got, one_launch)
+
+
+def small_launch_of(batch):
+    """The default launch ``paged_attention`` picks for ``batch`` on this device."""
+    return triton_backend.launch_config(
+        num_tokens=batch.query.shape[0], num_seqs=batch.seq_lens.shape[0],
+        num_q_heads=batch.query.shape[1], num_kv_heads=batch.kv_cache.shape[3],
+        head_dim=batch.query.shape[2],
+        max_kv_len=batch.block_table.shape[1] * batch.kv_cache.shape[2],
+        num_sms=triton_backend._num_sms(batch.query.device),
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("first_blocks", [0, 1])
 @pytest.mark.parametrize("num_segments", [1, 2])
 def test_a_decode_row_whose_query_is_padding_writes_nothing_and_reads_the_cache(
