@@ -266,18 +266,24 @@ def _find_seq(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr, PLUS_S: tl.conste
 
 
 @triton.jit
-def _zero_spare_rows(
-    out_ptr, cu_ptr, num_seqs, num_tokens, tail, head, offs_m, offs_d, d_mask, stride_ot,
+def _spare_program(
+    out_ptr, cu_ptr, pid, num_seqs, num_tokens, head, offs_m, offs_d, d_mask, stride_ot,
     stride_oh, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    D_PAD: tl.constexpr,
+    D_PAD: tl.constexpr, ZERO: tl.constexpr,
 ):  # fmt: skip
-    """A spare program (``tail >= 0`` past every sequence's query blocks) zeroes its share of the
-    padded query rows ``[cu[S], T)``, so every output row is finite."""
-    tok = tl.load(cu_ptr + num_seqs) + tail * BLOCK_Q + offs_m // GROUP
-    pad_mask = (offs_m < BLOCK_Q * GROUP) & (tok < num_tokens)
-    ptrs = out_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
-    zeros = tl.zeros([BLOCK_M, D_PAD], dtype=out_ptr.dtype.element_ty)
-    tl.store(ptrs + offs_d[None, :], zeros, mask=pad_mask[:, None] & d_mask[None, :])
+    """Whether program ``pid`` is spare (past every sequence's query blocks: ``tail >= 0``). With
+    ``ZERO`` a spare program zeroes its share of the padded query rows ``[cu[S], T)``, so every
+    output row is finite."""
+    real_end = tl.load(cu_ptr + num_seqs)  # cu[S]: the first padded query row
+    tail = pid - (real_end // BLOCK_Q + num_seqs)
+    if ZERO:  # noqa: SIM102 (a constexpr, then a runtime branch)
+        if tail >= 0:
+            tok = real_end + tail * BLOCK_Q + offs_m // GROUP
+            pad_mask = (offs_m < BLOCK_Q * GROUP) & (tok < num_tokens)
+            ptrs = out_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
+            zeros = tl.zeros([BLOCK_M, D_PAD], dtype=out_ptr.dtype.element_ty)
+            tl.store(ptrs + offs_d[None, :], zeros, mask=pad_mask[:, None] & d_mask[None, :])
+    return tail >= 0
 
 
 @triton.jit
@@ -457,12 +463,10 @@ def paged_attention_kernel(
         # zero the padded query rows or have nothing to do). Two to three dependent L2 round
         # trips fewer per program (benchmarks/NOTES.md section 33).
         if pid >= num_seqs:
-            tail = pid - (tl.load(cu_ptr + num_seqs) // BLOCK_Q + num_seqs)
-            if (tail >= 0) & (NUM_SEGMENTS == 1):
-                _zero_spare_rows(
-                    out_ptr, cu_ptr, num_seqs, num_tokens, tail, head, offs_m, offs_d, d_mask,
-                    stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, D_PAD,
-                )  # fmt: skip
+            _spare_program(
+                out_ptr, cu_ptr, pid, num_seqs, num_tokens, head, offs_m, offs_d, d_mask,
+                stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, D_PAD, NUM_SEGMENTS == 1,
+            )  # fmt: skip
             return
         seq = pid
         q_start = tl.load(cu_ptr + seq)
@@ -471,13 +475,10 @@ def paged_attention_kernel(
         kv_len = tl.load(seq_lens_ptr + seq)
     else:
         # Spare programs (past every sequence's query blocks) zero the padded query rows.
-        tail = pid - (tl.load(cu_ptr + num_seqs) // BLOCK_Q + num_seqs)
-        if tail >= 0:
-            if NUM_SEGMENTS == 1:
-                _zero_spare_rows(
-                    out_ptr, cu_ptr, num_seqs, num_tokens, tail, head, offs_m, offs_d, d_mask,
-                    stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, D_PAD,
-                )  # fmt: skip
+        if _spare_program(
+            out_ptr, cu_ptr, pid, num_seqs, num_tokens, head, offs_m, offs_d, d_mask,
+            stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, D_PAD, NUM_SEGMENTS == 1,
+        ):  # fmt: skip
             return
 
         seq, q_start, q_len, local, kv_len = _locate_query_block(
@@ -712,12 +713,10 @@ def prefill_attention_kernel(
     d_mask = offs_d < HEAD_DIM
     head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M] query head of each row
 
-    tail = pid - (tl.load(cu_ptr + num_seqs) // BLOCK_Q + num_seqs)
-    if tail >= 0:  # spare programs zero the padded query rows
-        _zero_spare_rows(
-            out_ptr, cu_ptr, num_seqs, num_tokens, tail, head, offs_m, offs_d, d_mask,
-            stride_ot, stride_oh, GROUP, BLOCK_Q, BLOCK_M, D_PAD,
-        )  # fmt: skip
+    if _spare_program(  # spare programs zero the padded query rows
+        out_ptr, cu_ptr, pid, num_seqs, num_tokens, head, offs_m, offs_d, d_mask, stride_ot,
+        stride_oh, GROUP, BLOCK_Q, BLOCK_M, D_PAD, True,
+    ):  # fmt: skip
         return
 
     seq, q_start, q_len, local, kv_len = _locate_query_block(
