@@ -12,6 +12,7 @@ import torch
 
 from paged_ops.backends import LayerSpec, get_backend, resolve_backend
 from paged_ops.checks import check_paged_attention, check_write_kv
+from paged_ops.rope import rope_rows
 
 _lib = torch.library.Library("paged_ops", "DEF")  # noqa: TOR901 (kept alive for the process)
 _lib.define(
@@ -27,12 +28,16 @@ _lib.define(
 # (triton): one launch where the step is a decode step (at most one query token per sequence;
 # ``decode_step`` a CPU bool ``[]`` tensor, read on the host). The step's kind is a per-step fact,
 # so a tensor: a trace holds no guard on it, and a CUDA graph keeps the launch of the step it
-# captured (decode graphs replay decode steps only).
+# captured (decode graphs replay decode steps only). ``rope_cos``/``rope_sin`` (``[T, D]`` or
+# ``[1, T, D]``, as a rotary module returns them): query and key come unrotated and the op rotates
+# them (rotate-half, paged_ops/rope.py): the triton decode kernel as it loads the query and writes
+# the key, every other step first (what the engine's RoPE pass hands over).
 _lib.define(
     "write_kv_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
     "Tensor(b!) out, Tensor slot_mapping, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, "
     "Tensor decode_step, float scale, bool causal, int window, float softcap, Tensor? sinks, "
-    "Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, str backend, int plan_handle) -> ()"
+    "Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, str backend, int plan_handle, "
+    "Tensor? rope_cos=None, Tensor? rope_sin=None) -> ()"
 )
 
 
@@ -94,11 +99,22 @@ def _write_kv_and_attend_impl(
     block_table: torch.Tensor,
     decode_step: torch.Tensor,
     *layer: object,  # as _paged_attention_impl's
+    rope_cos: torch.Tensor | None = None,  # [T, D] or [1, T, D]
+    rope_sin: torch.Tensor | None = None,
 ) -> None:
-    backend, keywords = _backend_and_keywords(layer)
+    # the dispatcher passes the arguments it was given by position, up to the last one given
+    given = layer[len(_LAYER_ARGS) + 2 :]
+    if given:
+        rope_cos, rope_sin = (*given, None)[:2]  # type: ignore[assignment]
+    backend, keywords = _backend_and_keywords(layer[: len(_LAYER_ARGS) + 2])
+    rope = None
+    if rope_cos is not None or rope_sin is not None:
+        if rope_cos is None or rope_sin is None:
+            raise ValueError("rope_cos and rope_sin go together; got one of them")
+        rope = rope_rows(rope_cos, rope_sin, query.shape[0], query.shape[2])  # type: ignore[arg-type]
     get_backend(backend).write_kv_and_attend(
         query, key, value, kv_cache, slot_mapping, cu_seqlens_q, seq_lens, block_table, out=out,
-        decode_step=bool(decode_step.item()), **keywords,
+        decode_step=bool(decode_step.item()), rope=rope, **keywords,
     )  # fmt: skip
 
 

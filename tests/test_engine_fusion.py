@@ -279,6 +279,44 @@ def test_norm_fusion_and_mlp_fusion_in_the_engine_one_token_steps_with_eager_tok
     assert counters["stats"]["unique_graphs"] == 1  # nothing traced after the warm-up
 
 
+def test_the_engine_on_triton_rotates_inside_the_attention_kernel_with_eager_tokens(monkeypatch):
+    # the compiled engine with small_linears on the triton backend: the RoPE pass moves both
+    # layers' q/k rotation into paged_ops::write_kv_and_attend; its decode steps (one and two
+    # sequences) launch the attention kernel that rotates and writes, its prefills rotate first,
+    # and greedy tokens equal the eager engine's (interpreter, float32)
+    from engine_models import prompts_of, tiny_llama
+
+    from paged_ops import LLM, SamplingParams
+    from paged_ops.engine import runner
+
+    triton_backend = pytest.importorskip("paged_ops.backends.triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
+    monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    prompts, params = prompts_of([5, 3], seed=4), SamplingParams(max_new_tokens=4)
+    kwargs = dict(backend="triton", block_size=4, max_num_seqs=2, max_model_len=32,
+                  num_blocks=32)  # fmt: skip
+    eager = LLM(tiny_llama(seed=5), compile=False, **kwargs)
+    expected = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    fused = LLM(tiny_llama(seed=5), compile=True, small_linears=True, **kwargs)
+    assert fused.runner.num_fused_ropes == 2  # both layers, into the attention op
+    calls: list[tuple[bool, bool]] = []  # per attention call: (rope given, kernel writes K/V)
+    attention = triton_backend.paged_attention
+    monkeypatch.setattr(
+        triton_backend,
+        "paged_attention",
+        lambda *a, **k: (
+            calls.append((k.get("rope") is not None, k.get("new_key") is not None))
+            or attention(*a, **k)
+        ),
+    )
+    got = [o.token_ids for o in fused.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert (True, True) in calls and (False, False) in calls  # decode steps, prefills
+    assert set(calls) == {(True, True), (False, False)}
+
+
 @pytest.mark.parametrize(
     ("family", "stacked", "fused"),
     [("llama", True, 1), ("phi3", False, 1), ("llama", False, 0), ("gemma2", True, 0)],

@@ -1,6 +1,7 @@
 """The rotary-embedding pass (paged_ops/engine/rope_fusion.py) on CPU: which models it changes, and
 the logits of a prefill (the model's ops, the cond's other branch) and of a one-token step (the
-fused kernel rotating q and k, under the interpreter in CI) against the eager model."""
+fused kernel rotating q and k, under the interpreter in CI) against the eager model; on the triton
+backend the rotation goes into ``paged_ops::write_kv_and_attend`` instead."""
 
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ pytest.importorskip("transformers")
 hf = pytest.importorskip("paged_ops.integrations.transformers")
 
 
-def steps_of(family: str, seed: int):
+def steps_of(family: str, seed: int, backend: str = "reference"):
     """A patched tiny model and ``step(m, prefill)``: the logits of ``m`` on a 9-token prefill or
     on the one-token decode step after it (the prefill's keys and values cached)."""
     model = build_model(family, seed=seed)
-    pa = hf.patch_model(model, backend="reference", block_size=4, num_blocks=32, max_num_seqs=2,
+    pa = hf.patch_model(model, backend=backend, block_size=4, num_blocks=32, max_num_seqs=2,
                         max_model_len=64)  # fmt: skip
     ids = torch.tensor(make_prompts([10], seed=seed)[0])
 
@@ -93,3 +94,43 @@ def test_other_rotations_are_left_alone(family):
     torch.testing.assert_close(step(compiled_with_passes(model, counts), prefill=True), reference,
                                rtol=1e-4, atol=1e-4)  # fmt: skip
     assert counts[1] == 0
+
+
+def test_on_triton_every_layer_rotates_inside_the_attention_op_with_the_same_logits(monkeypatch):
+    # the triton backend's layers call paged_ops::write_kv_and_attend: the pass hands it cos/sin
+    # (every layer's rotation, layer 0's too: no fused norm needed) and the q/k/v projections
+    # rotate nothing; the prefill rotates before its launches, the decode step inside the kernel
+    triton_backend = pytest.importorskip("paged_ops.backends.triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
+    model, step = steps_of("llama", seed=2, backend="triton")
+    prefill_reference = step(model, prefill=True)
+    decode_reference = step(model, prefill=False)
+    RopeTables(model, 64, torch.device("cpu"))
+    fusion.stack_projection_weights(model)
+    counts: list[int] = []
+    compiled = compiled_with_passes(model, counts)
+    calls: list[tuple[bool, bool]] = []  # per attention call: (rope given, kernel writes K/V)
+    attention = triton_backend.paged_attention
+    monkeypatch.setattr(
+        triton_backend,
+        "paged_attention",
+        lambda *a, **k: (
+            calls.append((k.get("rope") is not None, k.get("new_key") is not None))
+            or attention(*a, **k)
+        ),
+    )
+    norms: list[object] = []
+    kernels = pytest.importorskip("paged_ops.backends.triton_norm_linear_kernels")
+    launch = kernels.add_rms_norm_gemv
+    monkeypatch.setattr(kernels, "add_rms_norm_gemv", lambda *a: norms.append(a[5]) or launch(*a))
+    torch.testing.assert_close(step(compiled, prefill=True), prefill_reference,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    layers = model.config.num_hidden_layers
+    assert counts == [2 * layers - 1, layers]
+    assert calls == [(False, False)] * layers  # rotated first, then write_kv + attention
+    calls.clear()
+    torch.testing.assert_close(step(compiled, prefill=False), decode_reference,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    assert calls == [(True, True)] * layers  # the kernel writes K/V and rotates
+    assert len(norms) == 2 * layers - 1 and not any(r is not None for r in norms)

@@ -35,6 +35,7 @@ from paged_ops.backends import (
 )
 from paged_ops.backends.cost_table import AutoPolicy, uniform_policy
 from paged_ops.metadata import STEP_KINDS, AttentionMetadata
+from paged_ops.rope import rotate_half
 
 
 def is_planned(name: str) -> bool:
@@ -255,7 +256,8 @@ def write_kv_and_attend(
 ) -> None:
     """The step's write and attention on the backend the router under ``plan_handle`` holds for
     it: its own ``write_kv_and_attend`` where it has one (triton: one launch in a decode step),
-    else its ``write_kv`` then its ``paged_attention`` into ``out``."""
+    else its ``write_kv`` then its ``paged_attention`` into ``out``. ``rope`` among ``kwargs``
+    (cos, sin ``[T, D]``): query and key come unrotated (``paged_ops::write_kv_and_attend``)."""
     router: StepRouter = get_plan_state(plan_handle)
     name, handle = router.current
     backend = get_backend(name)
@@ -265,6 +267,9 @@ def write_kv_and_attend(
         fused(query, key, value, kv_cache, slot_mapping, *args, out=out, decode_step=decode_step,
               plan_handle=handle, **kwargs)  # fmt: skip
         return
+    rope = kwargs.pop("rope", None)  # cos, sin [T, D]: query and key come unrotated
+    if rope is not None:
+        query, key = rotate_half(query, *rope), rotate_half(key, *rope)
     backend.write_kv(
         key, value, kv_cache, slot_mapping, kwargs.get("k_scale"), kwargs.get("v_scale")
     )

@@ -30,6 +30,7 @@ import torch
 from paged_ops.backends import LayerSpec
 from paged_ops.backends import triton_kernels as kernels
 from paged_ops.fp8 import fp8_format, is_fp8
+from paged_ops.rope import rotate_half
 
 MAX_HEAD_DIM = 256
 MAX_SEGMENTS = 64  # batch 1 x 16k: 8 KV heads x 64 segments ~ 4 waves on 132 SMs
@@ -353,6 +354,7 @@ def paged_attention(
     new_value: torch.Tensor | None = None,  # [T, Hkv, D]
     slot_mapping: torch.Tensor | None = None,  # [T] int64, -1 = none
     out: torch.Tensor | None = None,  # [T, Hq, D], query's dtype
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [T, D]
 ) -> torch.Tensor:  # [T, Hq, D]
     """Paged attention with the op contract's semantics, into ``out`` if given.
 
@@ -361,7 +363,9 @@ def paged_attention(
     ``slot_mapping``: a decode step's K/V, written into the cache before it is read. The caller
     guarantees at most one query token per sequence; then the attention kernel writes them
     itself (one launch fewer per layer, benchmarks/NOTES.md sections 23-24), except on an FP8
-    cache or with the prefill kernel, where :func:`write_kv` runs first.
+    cache or with the prefill kernel, where :func:`write_kv` runs first. ``rope``: ``query`` and
+    ``new_key`` come unrotated; the kernel that writes the K/V rotates both as it reads them
+    (rotate-half, :mod:`paged_ops.rope`), anything else rotates them first.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -429,6 +433,10 @@ def paged_attention(
             f"slot_mapping={slot_mapping is not None}"
         )
     write_kv_here = new_key is not None and not fp8_cache and cfg.kernel == "unified"
+    rope_here = rope is not None and write_kv_here
+    if rope is not None and not rope_here:  # the kernel rotates only what it writes: rotate first
+        query = rotate_half(query, *rope)
+        new_key = rotate_half(new_key, *rope) if new_key is not None else None
     if new_key is not None and not write_kv_here:  # the kernel cannot: the write kernel first
         assert new_value is not None and slot_mapping is not None
         write_kv(new_key, new_value, kv_cache, slot_mapping, k_scale, v_scale)
@@ -440,6 +448,10 @@ def paged_attention(
         slot_mapping if write_kv_here else dummy,
         *new_k.stride(),
         *new_v.stride(),
+    )
+    # cos, sin [T, D] with unit stride along D (paged_ops.rope.rope_rows); else never read
+    rope_args = (
+        (*rope, rope[0].stride(0), rope[1].stride(0)) if rope_here else (dummy,) * 2 + (0, 0)
     )
     fp8_args = dict(
         USE_K_SCALE=k_scale is not None,
@@ -525,6 +537,7 @@ def paged_attention(
         alibi_slopes if alibi_slopes is not None else dummy,
         *scale_args,
         *write_args,
+        *rope_args,
         float(scale),
         float(softcap),
         int(window),
@@ -556,6 +569,7 @@ def paged_attention(
         V_PAIRS=bool(cfg.v_pairs),
         FIRST_BLOCKS=bool(cfg.first_blocks),
         WRITE_KV=write_kv_here,
+        ROPE=rope_here,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
@@ -595,15 +609,20 @@ def write_kv_and_attend(
     decode_step: bool,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [T, D]
     **attention: Any,
 ) -> None:
     """:func:`write_kv` then :func:`paged_attention` into ``out``; in a decode step (at most one
     query token per sequence: the caller's guarantee) one launch, the attention kernel storing
-    each token's K/V before reading it (``paged_attention``'s ``new_key``)."""
+    each token's K/V before reading it (``paged_attention``'s ``new_key``). ``rope``: query and
+    key come unrotated (a decode step's kernel rotates them, other steps first)."""
     args = (cu_seqlens_q, seq_lens, block_table)
     if decode_step:
         paged_attention(query, kv_cache, *args, k_scale=k_scale, v_scale=v_scale, new_key=key,
-                        new_value=value, slot_mapping=slot_mapping, out=out, **attention)  # fmt: skip
+                        new_value=value, slot_mapping=slot_mapping, out=out, rope=rope,
+                        **attention)  # fmt: skip
         return
+    if rope is not None:
+        query, key = rotate_half(query, *rope), rotate_half(key, *rope)
     write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     paged_attention(query, kv_cache, *args, k_scale=k_scale, v_scale=v_scale, out=out, **attention)

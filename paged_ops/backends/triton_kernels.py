@@ -26,7 +26,11 @@ and each row keeps its own.
 With ``WRITE_KV`` (a decode step: one query token per sequence; 16/32-bit caches) the attention
 kernel also stores the step's K/V: the program whose KV tiles hold a sequence's new position writes
 that token's rows for its KV head before its loop reads them (then a CTA barrier), which spares the
-``write_kv_kernel`` launch before it; no other program reads that slot in the step.
+``write_kv_kernel`` launch before it; no other program reads that slot in the step. With
+``ROPE`` as well, the query and key come unrotated: each program rotates its query rows after
+loading them (the partner half loaded as a second view) and the writing program rotates the key
+row before its store (rotate-half, ``cos``/``sin`` rows of each token; paged_ops/rope.py), which
+spares the model's RoPE kernel per layer (benchmarks/NOTES.md section 34).
 """
 
 import triton
@@ -345,6 +349,26 @@ def _load_query_rows(
 
 
 @triton.jit
+def _rope_partner(cols, HEAD_DIM: tl.constexpr):
+    """Rotate-half RoPE: each column's partner (``c + D/2`` in the first half, ``c - D/2`` in the
+    second) and the partner's sign (-1, +1)."""
+    first = cols < HEAD_DIM // 2
+    partner = tl.where(first, cols + HEAD_DIM // 2, cols - HEAD_DIM // 2)
+    return partner, tl.where(first, -1.0, 1.0)
+
+
+@triton.jit
+def _rotate(x, x_partner, sign, cos_ptr, sin_ptr, tok, stride_cos, stride_sin, cols, mask):
+    """``x * cos + sign * x_partner * sin`` in float32 (cos/sin of token ``tok``, column ``cols``:
+    broadcast like ``x``), rounded once to ``x``'s dtype: transformers' ``apply_rotary_pos_emb``
+    as Inductor computes it (paged_ops/rope.py)."""
+    c = tl.load(cos_ptr + tok * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + tok * stride_sin + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x.to(tl.float32) * c + (sign * x_partner.to(tl.float32)) * s
+    return y.to(x.dtype)
+
+
+@triton.jit
 def _tanh(x):
     # tanh from exp2 of a non-positive argument (no overflow); the interpreter has no libdevice.
     t = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2|x|), -2 * log2(e)
@@ -386,6 +410,10 @@ def paged_attention_kernel(
     stride_nvt,
     stride_nvh,
     stride_nvd,
+    cos_ptr,  # [T, D] rotary cos of each token, unit stride along D (ROPE; else unused)
+    sin_ptr,  # [T, D]
+    stride_cos,
+    stride_sin,
     scale,
     softcap,
     window,
@@ -430,6 +458,7 @@ def paged_attention_kernel(
     V_PAIRS: tl.constexpr = False,  # F16_DOT, HEAD_DIM == D_PAD, unit stride: V as int16 pairs
     FIRST_BLOCKS: tl.constexpr = False,  # each sequence's first query block first (decode)
     WRITE_KV: tl.constexpr = False,  # decode steps (one query per sequence): write its K/V here
+    ROPE: tl.constexpr = False,  # WRITE_KV: rotate the query rows and the written K (rotate-half)
 ):
     if HEADS_FASTEST:  # programs of one query block's heads run together (they read the same pages)
         pid = tl.program_id(1)
@@ -491,6 +520,15 @@ def paged_attention_kernel(
         q_ptr, q_start, q_len, local, context, head, offs_m, cols, col_mask, stride_qt,
         stride_qh, stride_qd, GROUP, BLOCK_Q,
     )  # fmt: skip
+    if ROPE:
+        tl.static_assert(WRITE_KV, "ROPE: the decode step that writes its K/V only")
+        partner, sign = _rope_partner(cols, HEAD_DIM)
+        q_partner, _, _, _ = _load_query_rows(
+            q_ptr, q_start, q_len, local, context, head, offs_m, partner, col_mask, stride_qt,
+            stride_qh, stride_qd, GROUP, BLOCK_Q,
+        )  # fmt: skip
+        q = _rotate(q, q_partner, sign, cos_ptr, sin_ptr, q_tok[:, None], stride_cos, stride_sin,
+                    cols[None, :], row_valid[:, None] & col_mask[None, :])  # fmt: skip
     if KV_HEADS > 1:
         q = tl.where(own, q, 0.0)  # [BLOCK_M, KV_HEADS * D_PAD]: zero in the other heads' columns
     if F16_DOT:
@@ -557,6 +595,13 @@ def paged_attention_kernel(
                 new_k_ptr + tok * stride_nkt + src_head * stride_nkh + cols * stride_nkd,
                 mask=keep,
             )  # [KV_HEADS * D_PAD]
+            if ROPE:
+                k_partner = tl.load(
+                    new_k_ptr + tok * stride_nkt + src_head * stride_nkh + partner * stride_nkd,
+                    mask=keep,
+                )  # [KV_HEADS * D_PAD]
+                k_row = _rotate(k_row, k_partner, sign, cos_ptr, sin_ptr, tok, stride_cos,
+                                stride_sin, cols, keep)  # fmt: skip
             v_row = tl.load(
                 new_v_ptr + tok * stride_nvt + src_head * stride_nvh + cols * stride_nvd,
                 mask=keep,

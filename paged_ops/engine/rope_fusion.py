@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from paged_ops import ops as _ops  # noqa: F401 (registers paged_ops::write_kv_and_attend)
 from paged_ops.engine.fusion import cond_on_one_token
 from paged_ops.engine.norm_fusion import _call, _other, _rows, _value, norm_projections
 from paged_ops.norm_linear import rotate
@@ -146,14 +147,11 @@ def _heads(piece: fx.Node, head_dim: int) -> fx.Node | None:
     return None
 
 
-def _match(call: fx.Node) -> tuple[Any, ...] | None:
-    """A ``norm_projections`` call of one weight whose output is split into q, k, v and rotated
-    -> ``(cos, sin, rope_cols, [(q_embed, q_states), (k_embed, k_states)], dead nodes)``."""
-    if len(call.args) != 5:
-        return None
-    qkv = [u for u in call.users if _call(u, "call_function", operator.getitem) and u.args[1] == 0]
-    split = _sole_user(qkv[0]) if len(qkv) == 1 else None
-    if split is None or split.op != "call_function" or split.target not in _SPLITS:
+def _rotations(split: fx.Node) -> tuple[Any, ...] | None:
+    """``split(qkv, [Hq*D, Hkv*D, Hkv*D], -1)`` whose q and k pieces are viewed as heads and
+    rotated by one ``cos``/``sin`` -> ``(cos, sin, sizes, [(q_embed, q_states), (k_embed,
+    k_states)], dead nodes)``, else None."""
+    if split.op != "call_function" or split.target not in _SPLITS:
         return None
     sizes = split.args[1] if len(split.args) > 1 else None
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
@@ -178,26 +176,108 @@ def _match(call: fx.Node) -> tuple[Any, ...] | None:
         dead += nodes
     if len(tables) != 1:  # q and k rotated by other tables
         return None
+    cos_value, sin_value = _value(cos), _value(sin)
+    if not all(isinstance(v, torch.Tensor) for v in (cos_value, sin_value)):
+        return None
+    if cos_value.shape[-1] != head_dim or sin_value.shape != cos_value.shape:
+        return None
+    if not all(isinstance(n, int) and n % head_dim == 0 for n in sizes[:2]):
+        return None
+    return cos, sin, sizes, matched, dead
+
+
+def _match(call: fx.Node) -> tuple[Any, ...] | None:
+    """A ``norm_projections`` call of one weight whose output is split into q, k, v and rotated
+    -> ``(cos, sin, rope_cols, [(q_embed, q_states), (k_embed, k_states)], dead nodes)``."""
+    if len(call.args) != 5:
+        return None
+    qkv = [u for u in call.users if _call(u, "call_function", operator.getitem) and u.args[1] == 0]
+    split = _sole_user(qkv[0]) if len(qkv) == 1 else None
+    found = _rotations(split) if split is not None else None
+    if found is None:
+        return None
+    cos, sin, sizes, matched, dead = found
     a_value, cos_value, sin_value = _value(call.args[0]), _value(cos), _value(sin)
-    if not all(isinstance(v, torch.Tensor) for v in (a_value, cos_value, sin_value)):
-        return None
-    if cos_value.shape[-1] != head_dim or cos_value.dim() != a_value.dim():
-        return None
-    if sin_value.dim() != cos_value.dim():
+    if not isinstance(a_value, torch.Tensor) or cos_value.dim() != a_value.dim():
         return None
     if cos_value.dtype != a_value.dtype or sin_value.dtype != a_value.dtype:
         return None  # the op takes cos/sin in the model's dtype, as the model casts them
-    if not all(isinstance(n, int) and n % head_dim == 0 for n in sizes[:2]):
-        return None
     return cos, sin, sizes[0] + sizes[1], matched, dead
 
 
-def fuse_rope_projections(gm: fx.GraphModule) -> int:
-    """Give each matched ``norm_projections`` call the rotation of its q and k columns (see the
-    module docstring); returns the calls changed."""
-    graph = gm.graph
+_VIEWS = frozenset({"transpose", "reshape", "view", "contiguous"})  # (call_method names)
+_SHAPE_READERS = frozenset({"new_empty", "size", "dim"})  # methods that read no values
+
+
+def _attention_reading(embeds: list[fx.Node]) -> fx.Node | None:
+    """The ``paged_ops::write_kv_and_attend`` call whose query and key (arguments 0 and 1) are
+    ``embeds`` ``[q_embed, k_embed]`` through views alone, where nothing else reads their values
+    (``new_empty`` and ``size`` read the shape only), and that rotates nothing yet; else None."""
+    attention = None
+    for index, embed in enumerate(embeds):
+        node = embed
+        while True:
+            users = [
+                u for u in node.users if u.op != "call_method" or u.target not in _SHAPE_READERS
+            ]
+            if len(users) != 1:
+                return None
+            (user,) = users
+            if user.op == "call_method" and user.target in _VIEWS:
+                node = user
+                continue
+            if not _call(user, "call_function", torch.ops.paged_ops.write_kv_and_attend.default):
+                return None
+            if len(user.args) <= 1 or user.args[index] is not node or node in user.args[2:]:
+                return None
+            if attention is not None and attention is not user:
+                return None
+            attention = user
+            break
+    if attention is None or attention.kwargs.get("rope_cos") is not None:
+        return None
+    return attention
+
+
+def _drop_rotation(graph: fx.Graph, cos: fx.Node, sin: fx.Node, matched: list, dead: list) -> None:
+    """Give each rotation's users its unrotated states and erase what nobody reads any more."""
+    for embed, states in matched:
+        embed.replace_all_uses_with(states)
+    for node in dead:  # embed first: each node's users are gone by its turn
+        if not node.users:
+            graph.erase_node(node)
+    for node in (cos, sin):  # the unsqueezes the rotations read, when nothing else does
+        for user in list(node.users):
+            if _unsqueezed(user) is node and not user.users:
+                graph.erase_node(user)
+
+
+def _fuse_into_attention(graph: fx.Graph) -> int:
+    """Every q/k rotation read by a ``write_kv_and_attend`` call alone goes into that call
+    (``rope_cos``/``rope_sin``); returns the rotations moved."""
     order = {node: i for i, node in enumerate(graph.nodes)}
-    fused = 0
+    moved = 0
+    for split in list(graph.nodes):
+        found = _rotations(split) if split.op == "call_function" else None
+        if found is None:
+            continue
+        cos, sin, _, matched, dead = found
+        attention = _attention_reading([embed for embed, _ in matched])
+        if attention is None or order[cos] > order[attention] or order[sin] > order[attention]:
+            continue
+        attention.kwargs = {**attention.kwargs, "rope_cos": cos, "rope_sin": sin}
+        _drop_rotation(graph, cos, sin, matched, dead)
+        moved += 1
+    return moved
+
+
+def fuse_rope_projections(gm: fx.GraphModule) -> int:
+    """Move each matched q/k rotation into the kernels (see the module docstring): into the
+    ``write_kv_and_attend`` call that alone reads it, else into its ``norm_projections`` call;
+    returns the rotations moved."""
+    graph = gm.graph
+    fused = _fuse_into_attention(graph)
+    order = {node: i for i, node in enumerate(graph.nodes)}
     for call in list(graph.nodes):
         if not _call(call, "call_function", norm_projections):
             continue
@@ -210,15 +290,7 @@ def fuse_rope_projections(gm: fx.GraphModule) -> int:
         a, b, g, eps, weight = call.args
         call.target = norm_projections_rope
         call.args = (a, b, g, eps, rope_cols, cos, sin, weight)
-        for embed, states in matched:
-            embed.replace_all_uses_with(states)
-        for node in dead:  # embed first: each node's users are gone by its turn
-            if not node.users:
-                graph.erase_node(node)
-        for node in (cos, sin):  # the unsqueezes the rotations read, when nothing else does
-            for user in list(node.users):
-                if _unsqueezed(user) is node and not user.users:
-                    graph.erase_node(user)
+        _drop_rotation(graph, cos, sin, matched, dead)
         fused += 1
     if fused:
         graph.lint()

@@ -247,7 +247,7 @@ class ModelRunner:
         self._small_linears = bool(small_linears and compile)
         self.num_fused_norms = 0  # RMSNorms computed inside paged_ops::add_rms_norm_linear
         self.num_fused_mlps = 0  # SiLU-mul products computed inside paged_ops::silu_mul_linear
-        self.num_fused_ropes = 0  # q/k/v projections rotating q and k (add_rms_norm_linear)
+        self.num_fused_ropes = 0  # q/k rotations moved into the attention op or the projection
         # precompile_dir: the saved forward's path, the function it compiled (or None until the
         # first step), whether it was loaded (checked against eager at the first warm-up step)
         self.precompiled_path: Path | None = None
@@ -692,8 +692,9 @@ class ModelRunner:
             times["compile_s"] += self._elapsed(t0)
         elif self._compiled and self.device.type == "cuda":  # variants beside the compile
             prebuild = variant_prebuild.start(
-                self.pa, shapes + self._graph_steps(), self._small_linear_weights()
-            )
+                self.pa, shapes + self._graph_steps(), self._small_linear_weights(),
+                rope=self._small_linears,  # the RoPE pass runs (it matches Llama-like blocks)
+            )  # fmt: skip
         try:
             for i, (tokens, seqs) in enumerate(shapes):
                 t0 = time.perf_counter()

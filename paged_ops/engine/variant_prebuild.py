@@ -91,9 +91,11 @@ def _steps_per_variant(pa: PagedAttention, steps: Sequence[Step]) -> list[tuple[
     return out
 
 
-def _call_each(pa: PagedAttention, work: list[tuple[int, Step]]) -> int:
+def _call_each(pa: PagedAttention, work: list[tuple[int, Step]], rope: bool = False) -> int:
     """One backend ``paged_attention`` call per ``(layer, step)`` of ``work``, with the engine's
-    own argument values; returns how many calls the backend accepted."""
+    own argument values; returns how many calls the backend accepted. ``rope``: the kernels that
+    write a decode step's K/V also rotate q and k (the engine's RoPE pass moved the rotation
+    into ``paged_ops::write_kv_and_attend``)."""
     from paged_ops.backends import triton as triton_backend
     from paged_ops.engine.runner import warm_up_slices  # (the runner imports this module)
 
@@ -124,6 +126,9 @@ def _call_each(pa: PagedAttention, work: list[tuple[int, Step]]) -> int:
                 # slots -1: nothing written even where the variant is built and launches
                 slots = torch.full_like(md.slot_mapping, -1)  # [T]
                 write = dict(new_key=new_kv, new_value=new_kv, slot_mapping=slots)
+                if rope:  # cos, sin [T, D] in the model's dtype, as the graph passes them
+                    rows = torch.zeros(tokens, spec.head_dim, dtype=spec.dtype, device=device)
+                    write["rope"] = (rows, rows)
             try:
                 triton_backend.paged_attention(
                     query, cache, md.cu_seqlens_q, md.seq_lens, md.block_table,
@@ -257,12 +262,18 @@ def spawn(records: list[dict[str, str]], target: dict[str, Any]) -> Prebuild:
 
 
 def start(
-    pa: PagedAttention, steps: Sequence[Step], linear_weights: Sequence[torch.Tensor] = ()
+    pa: PagedAttention,
+    steps: Sequence[Step],
+    linear_weights: Sequence[torch.Tensor] = (),
+    rope: bool = False,
 ) -> Prebuild | None:
     """Record the variants of ``steps`` (the warm-up's, with its graph buckets) and start the
     child that compiles them; None when there is nothing to do (no triton layer and no split-K
     GEMM, off, not CUDA, every variant already built in this process). ``linear_weights``: the
-    model's projection weights that go through ``small_linear`` (:func:`_call_linears`)."""
+    model's projection weights that go through ``small_linear`` (:func:`_call_linears`);
+    ``rope``: whether the decode kernels will rotate q and k (a prediction made before the
+    compile that decides it: a wrong one costs the warm-up those variants' compiles, nothing
+    else)."""
     if pa.kv_cache.device.type != "cuda" or not enabled():
         return None
     work = _steps_per_variant(pa, steps)
@@ -270,7 +281,7 @@ def start(
         return None
     try:
         with recording_variants() as records:
-            _call_each(pa, work)
+            _call_each(pa, work, rope)
             _call_linears(linear_weights, steps)
         if not records:
             return None
