@@ -93,6 +93,26 @@ def test_rope_rows_take_a_rotary_module_layout_and_name_a_mismatch():
         rope_rows(cos[:, :7], sin[:, :7], 6, 7)
 
 
+@pytest.mark.parametrize("head_dim", [32, 80])
+def test_the_rotation_kernel_rotates_strided_views_of_a_qkv_output(head_dim):
+    """The backend's one-launch rotation of the steps its attention kernel cannot rotate in:
+    query and key as the model's views of one q/k/v output (row stride of all heads), a padded
+    head size, and the query alone, against the float64 rotation."""
+    from paged_ops.backends.triton_rope_kernels import rotate_heads
+
+    qkv = torch.randn(7, (6 + 2 * 2) * head_dim, dtype=torch.float16)
+    query = qkv[:, : 6 * head_dim].view(7, 6, head_dim)  # [T, Hq, D], row stride 10 D
+    key = qkv[:, 6 * head_dim : 8 * head_dim].view(7, 2, head_dim)
+    cos, sin = rope_of(7, head_dim, torch.float16, seed=head_dim)
+    q_rot, k_rot = rotate_heads(query, key, cos, sin)
+    assert q_rot.is_contiguous() and k_rot.is_contiguous()
+    torch.testing.assert_close(q_rot, rotate_f64(query, cos, sin).half(), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(k_rot, rotate_f64(key, cos, sin).half(), rtol=1e-3, atol=1e-3)
+    assert torch.equal(q_rot, rotate_half(query, cos, sin))
+    alone, none = rotate_heads(query, None, cos, sin)
+    assert none is None and torch.equal(alone, q_rot)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     ("head_dim", "kv_heads", "num_segments"),

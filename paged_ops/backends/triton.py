@@ -29,8 +29,8 @@ import torch
 
 from paged_ops.backends import LayerSpec
 from paged_ops.backends import triton_kernels as kernels
+from paged_ops.backends.triton_rope_kernels import rotate_heads
 from paged_ops.fp8 import fp8_format, is_fp8
-from paged_ops.rope import rotate_half
 
 MAX_HEAD_DIM = 256
 MAX_SEGMENTS = 64  # batch 1 x 16k: 8 KV heads x 64 segments ~ 4 waves on 132 SMs
@@ -435,8 +435,7 @@ def paged_attention(
     write_kv_here = new_key is not None and not fp8_cache and cfg.kernel == "unified"
     rope_here = rope is not None and write_kv_here
     if rope is not None and not rope_here:  # the kernel rotates only what it writes: rotate first
-        query = rotate_half(query, *rope)
-        new_key = rotate_half(new_key, *rope) if new_key is not None else None
+        query, new_key = rotate_heads(query, new_key, *rope)
     if new_key is not None and not write_kv_here:  # the kernel cannot: the write kernel first
         assert new_value is not None and slot_mapping is not None
         write_kv(new_key, new_value, kv_cache, slot_mapping, k_scale, v_scale)
@@ -623,6 +622,6 @@ def write_kv_and_attend(
                         **attention)  # fmt: skip
         return
     if rope is not None:
-        query, key = rotate_half(query, *rope), rotate_half(key, *rope)
+        query, key = rotate_heads(query, key, *rope)
     write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     paged_attention(query, kv_cache, *args, k_scale=k_scale, v_scale=v_scale, out=out, **attention)

@@ -97,6 +97,7 @@ def _call_each(pa: PagedAttention, work: list[tuple[int, Step]], rope: bool = Fa
     write a decode step's K/V also rotate q and k (the engine's RoPE pass moved the rotation
     into ``paged_ops::write_kv_and_attend``)."""
     from paged_ops.backends import triton as triton_backend
+    from paged_ops.backends.triton_rope_kernels import rotate_heads
     from paged_ops.engine.runner import warm_up_slices  # (the runner imports this module)
 
     src = pa.builder
@@ -119,6 +120,7 @@ def _call_each(pa: PagedAttention, work: list[tuple[int, Step]], rope: bool = Fa
             query = torch.zeros(tokens, spec.num_q_heads, spec.head_dim, dtype=spec.dtype,
                                 device=device)  # [T, Hq, D]  # fmt: skip
             extra = torch.zeros(spec.num_q_heads, dtype=torch.float32, device=device)  # [Hq]
+            rows = torch.zeros(tokens, spec.head_dim, dtype=spec.dtype, device=device)  # [T, D]
             write: dict[str, torch.Tensor] = {}
             if pa.attention_writes_decode_kv(layer) and md.is_decode:  # the kernel's K/V write
                 new_kv = torch.zeros(tokens, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
@@ -127,8 +129,11 @@ def _call_each(pa: PagedAttention, work: list[tuple[int, Step]], rope: bool = Fa
                 slots = torch.full_like(md.slot_mapping, -1)  # [T]
                 write = dict(new_key=new_kv, new_value=new_kv, slot_mapping=slots)
                 if rope:  # cos, sin [T, D] in the model's dtype, as the graph passes them
-                    rows = torch.zeros(tokens, spec.head_dim, dtype=spec.dtype, device=device)
                     write["rope"] = (rows, rows)
+            elif rope:  # other steps rotate q and k first (one launch of their own)
+                new_kv = torch.zeros(tokens, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
+                                     device=device)  # [T, Hkv, D]  # fmt: skip
+                rotate_heads(query, new_kv, rows, rows)
             try:
                 triton_backend.paged_attention(
                     query, cache, md.cu_seqlens_q, md.seq_lens, md.block_table,

@@ -1,0 +1,97 @@
+"""Rotate-half RoPE of a step's query and key heads in one launch (paged_ops/rope.py's formula).
+
+Where the attention kernel cannot rotate them as it reads them (prefill and mixed steps, an FP8
+cache, the prefill kernel), the triton backend rotates the query and key first with this kernel:
+one launch per layer, as the model's own RoPE kernel under Inductor was (a float32 torch
+expression would be seven launches and float32 temporaries: ~4 ms per 4,096-token prefill step of
+a 16-layer model, benchmarks/NOTES.md section 34).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_rows(
+    src, dst, tok, stride_t, stride_h, c, s, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Token ``tok``'s ``HEADS`` rows of ``src`` rotated by ``c``/``s`` ``[BLOCK_D]`` into
+    ``dst`` (contiguous ``[T, HEADS, HEAD_DIM]``)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    first = offs_d < HEAD_DIM // 2
+    partner = tl.where(first, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
+    sign = tl.where(first, -1.0, 1.0)
+    mask = (offs_h < HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_H, BLOCK_D]
+    rows = src + tok * stride_t + offs_h[:, None] * stride_h
+    x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = x * c[None, :] + (sign[None, :] * x_partner) * s[None, :]
+    out = dst + (tok * HEADS + offs_h[:, None]) * HEAD_DIM + offs_d[None, :]
+    tl.store(out, y.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotate_heads_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [T, Hkv, D]
+    q_out_ptr,  # [T, Hq, D] contiguous
+    k_out_ptr,  # [T, Hkv, D] contiguous
+    cos_ptr,  # [T, D], unit stride along D
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    stride_sin,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program ``(t, 0)`` rotates token ``t``'s query heads, ``(t, 1)`` its key heads: ``x * cos
+    + cat(-x2, x1) * sin`` in float32, rounded once to the output's dtype."""
+    tok = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    c = tl.load(cos_ptr + tok * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + tok * stride_sin + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    if tl.program_id(1) == 0:
+        _rotate_rows(q_ptr, q_out_ptr, tok, stride_qt, stride_qh, c, s, NUM_Q_HEADS, HEAD_DIM,
+                     BLOCK_H, BLOCK_D)  # fmt: skip
+    else:
+        _rotate_rows(k_ptr, k_out_ptr, tok, stride_kt, stride_kh, c, s, NUM_K_HEADS, HEAD_DIM,
+                     BLOCK_H, BLOCK_D)  # fmt: skip
+
+
+def rotate_heads(
+    query: torch.Tensor,  # [T, Hq, D], unit stride along D
+    key: torch.Tensor | None,  # [T, Hkv, D]
+    cos: torch.Tensor,  # [T, D], unit stride along D
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # rotated copies, contiguous
+    """Rotate-half RoPE of ``query`` (and ``key``) by rows of ``cos``/``sin``, one launch."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    if query.stride(-1) != 1 or (key is not None and key.stride(-1) != 1):
+        query = query.contiguous()
+        key = key.contiguous() if key is not None else None
+    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device) if key is not None else None
+    if num_tokens == 0:
+        return q_out, k_out
+    # without a key: only programs (t, 0) run, and the key arguments are the query's
+    k_in, k_dst = (key, k_out) if key is not None else (query, q_out)
+    rotate_heads_kernel[(num_tokens, 2 if key is not None else 1)](
+        query, k_in, q_out, k_dst, cos, sin, query.stride(0), query.stride(1), k_in.stride(0),
+        k_in.stride(1), cos.stride(0), sin.stride(0), NUM_Q_HEADS=num_q_heads,
+        NUM_K_HEADS=k_in.shape[1], HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(max(num_q_heads, k_in.shape[1])),
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+    )  # fmt: skip
+    return q_out, k_out
