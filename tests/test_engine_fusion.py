@@ -280,7 +280,8 @@ def test_norm_fusion_and_mlp_fusion_in_the_engine_one_token_steps_with_eager_tok
 
 
 def test_the_engine_on_triton_rotates_inside_the_attention_kernel_with_eager_tokens(monkeypatch):
-    # the compiled engine with small_linears on the triton backend: the RoPE pass moves both
+    # the compiled engine with small_linears and rope_in_attention on the triton backend: the
+    # RoPE pass moves both
     # layers' q/k rotation into paged_ops::write_kv_and_attend; its decode steps (one and two
     # sequences) launch the attention kernel that rotates and writes, its prefills rotate first,
     # and greedy tokens equal the eager engine's (interpreter, float32)
@@ -299,7 +300,8 @@ def test_the_engine_on_triton_rotates_inside_the_attention_kernel_with_eager_tok
                   num_blocks=32)  # fmt: skip
     eager = LLM(tiny_llama(seed=5), compile=False, **kwargs)
     expected = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    fused = LLM(tiny_llama(seed=5), compile=True, small_linears=True, **kwargs)
+    fused = LLM(tiny_llama(seed=5), compile=True, small_linears=True, rope_in_attention=True,
+                **kwargs)  # fmt: skip
     assert fused.runner.num_fused_ropes == 2  # both layers, into the attention op
     calls: list[tuple[bool, bool]] = []  # per attention call: (rope given, kernel writes K/V)
     attention = triton_backend.paged_attention

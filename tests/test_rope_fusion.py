@@ -44,11 +44,13 @@ def steps_of(family: str, seed: int, backend: str = "reference"):
     return model, step
 
 
-def compiled_with_passes(model: torch.nn.Module, counts: list[int]) -> torch.nn.Module:
+def compiled_with_passes(
+    model: torch.nn.Module, counts: list[int], into_attention: bool = False
+) -> torch.nn.Module:
     def backend(gm, example_inputs):
         fusion.fuse_linears(gm, example_inputs)
         counts.append(fuse_norm_linears(gm))
-        counts.append(fuse_rope_projections(gm))
+        counts.append(fuse_rope_projections(gm, into_attention=into_attention))
         return lookup_backend("aot_eager")(gm, example_inputs)
 
     torch._dynamo.reset()
@@ -96,10 +98,14 @@ def test_other_rotations_are_left_alone(family):
     assert counts[1] == 0
 
 
-def test_on_triton_every_layer_rotates_inside_the_attention_op_with_the_same_logits(monkeypatch):
-    # the triton backend's layers call paged_ops::write_kv_and_attend: the pass hands it cos/sin
-    # (every layer's rotation, layer 0's too: no fused norm needed) and the q/k/v projections
-    # rotate nothing; the prefill rotates before its launches, the decode step inside the kernel
+@pytest.mark.parametrize("into_attention", [True, False])
+def test_on_triton_every_layer_rotates_inside_the_attention_op_with_the_same_logits(
+    into_attention, monkeypatch
+):
+    # the triton backend's layers call paged_ops::write_kv_and_attend: with into_attention the
+    # pass hands it cos/sin (every layer's rotation, layer 0's too: no fused norm needed) and the
+    # q/k/v projections rotate nothing; the prefill rotates before its launches, the decode step
+    # inside the kernel. Without, the one-token step's projections rotate (layer 0's: the model)
     triton_backend = pytest.importorskip("paged_ops.backends.triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
@@ -109,7 +115,7 @@ def test_on_triton_every_layer_rotates_inside_the_attention_op_with_the_same_log
     RopeTables(model, 64, torch.device("cpu"))
     fusion.stack_projection_weights(model)
     counts: list[int] = []
-    compiled = compiled_with_passes(model, counts)
+    compiled = compiled_with_passes(model, counts, into_attention)
     calls: list[tuple[bool, bool]] = []  # per attention call: (rope given, kernel writes K/V)
     attention = triton_backend.paged_attention
     monkeypatch.setattr(
@@ -127,10 +133,11 @@ def test_on_triton_every_layer_rotates_inside_the_attention_op_with_the_same_log
     torch.testing.assert_close(step(compiled, prefill=True), prefill_reference,
                                rtol=1e-4, atol=1e-4)  # fmt: skip
     layers = model.config.num_hidden_layers
-    assert counts == [2 * layers - 1, layers]
-    assert calls == [(False, False)] * layers  # rotated first, then write_kv + attention
+    assert counts == [2 * layers - 1, layers if into_attention else layers - 1]
+    assert calls == [(False, False)] * layers  # (rotated first,) then write_kv + attention
     calls.clear()
     torch.testing.assert_close(step(compiled, prefill=False), decode_reference,
                                rtol=1e-4, atol=1e-4)  # fmt: skip
-    assert calls == [(True, True)] * layers  # the kernel writes K/V and rotates
-    assert len(norms) == 2 * layers - 1 and not any(r is not None for r in norms)
+    assert calls == [(into_attention, True)] * layers  # the kernel writes K/V (and rotates)
+    assert len(norms) == 2 * layers - 1
+    assert sum(r is not None for r in norms) == (0 if into_attention else layers - 1)

@@ -339,6 +339,7 @@ def compile_backend(
     on_norms_fused: Callable[[int], None] | None = None,
     on_mlps_fused: Callable[[int], None] | None = None,
     on_ropes_fused: Callable[[int], None] | None = None,
+    rope_in_attention: bool = False,
 ) -> Callable:
     """A ``torch.compile`` backend: :func:`fuse_linears` (``fuse``), then with ``small_linears``
     :func:`~paged_ops.engine.norm_fusion.fuse_norm_linears` (residual add + RMSNorm + the
@@ -351,7 +352,8 @@ def compile_backend(
     ``on_fused`` is told how many ``linear`` calls each compiled graph lost, ``on_rerouted`` how
     many went to the small-batch op, ``on_norms_fused`` how many norms went into projections,
     ``on_mlps_fused`` how many SiLU-mul products went into down projections, ``on_ropes_fused``
-    how many q/k/v projections rotate q and k.
+    how many q/k rotations moved (into the attention op with ``rope_in_attention``, else into
+    the q/k/v projection).
     While Inductor autotunes GEMMs (``max_autotune`` or
     ``max_autotune_gemm`` in ``torch._inductor.config`` when the graph is compiled), nothing is
     fused: its autotuner times each matmul on fresh inputs sized from the graph's own inputs, and a
@@ -376,7 +378,7 @@ def compile_backend(
             norms = fuse_norm_linears(gm, max_out_features)
             if on_norms_fused is not None:
                 on_norms_fused(norms)
-            ropes = fuse_rope_projections(gm)
+            ropes = fuse_rope_projections(gm, into_attention=rope_in_attention)
             if on_ropes_fused is not None:
                 on_ropes_fused(ropes)
             mlps = fuse_silu_mul_linears(gm, max_out_features)

@@ -287,6 +287,13 @@ class LLM:
             triton installed and no tensor parallelism (H200, 1B model: batch 1 980-983 vs
             868-875 tok/s without, 64 requests +3%; benchmarks/NOTES.md section 26); off on the
             CPU.
+        rope_in_attention: with ``small_linears`` on the triton backend, q and k's rotary
+            embedding goes into the attention op instead (``paged_ops::write_kv_and_attend``'s
+            ``rope_cos``/``rope_sin``): the decode kernel rotates the query rows it loads and the
+            key it writes, other steps rotate q and k in one launch first; every layer's RoPE
+            kernel is gone, layer 0's included. Off by default until measured end to end: a
+            256-sequence decode graph on an H200 is 1.9% shorter with it, batch 1's the same
+            (benchmarks/NOTES.md section 34).
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward; identical layers are served
             by Inductor's and AOTAutograd's caches, so the first start compiles one layer's
@@ -374,6 +381,7 @@ class LLM:
         small_linears: bool | None = None,
         compile_regions: bool = False,
         rope_tables: bool = True,
+        rope_in_attention: bool = False,
         precompile: bool | None = None,
         kv_cache_dtype: str | torch.dtype | None = None,
         calculate_kv_scales: bool | None = None,
@@ -391,6 +399,7 @@ class LLM:
             small_linears=small_linears,
             compile_regions=compile_regions,
             rope_tables=rope_tables,
+            rope_in_attention=rope_in_attention,
             precompile=precompile,
         )
         given = dict(
@@ -502,6 +511,7 @@ class LLM:
             small_linears=flags["small_linears"],
             compile_regions=flags["compile_regions"],
             rope_tables=flags["rope_tables"],
+            rope_in_attention=flags["rope_in_attention"],
         )
         spec = self.speculative
         self.runner = ModelRunner(

@@ -19,6 +19,13 @@ the model's own formula after the model's own matmul (:func:`norm_projections_ro
 ``cond`` on the token count). ``q_embed`` and ``k_embed`` are then ``q_states`` and
 ``k_states`` themselves. Anything else (separate q/k/v projections, q/k norms between the split
 and the rotation as in Qwen3, interleaved rotations, a ``cos`` of another dtype) is left alone.
+
+With ``into_attention`` (``LLM(rope_in_attention=True)``) a rotation that only a
+``paged_ops::write_kv_and_attend`` call reads (the triton backend's layers) goes into that call
+instead (its ``rope_cos``/``rope_sin``; :mod:`paged_ops.rope`): the decode kernel rotates the
+query rows it loads and the key row it writes, other steps rotate in one launch first. That
+takes every layer's rotation, layer 0's included (no fused norm needed), and the q/k/v
+projection rotates nothing.
 """
 
 from __future__ import annotations
@@ -271,12 +278,12 @@ def _fuse_into_attention(graph: fx.Graph) -> int:
     return moved
 
 
-def fuse_rope_projections(gm: fx.GraphModule) -> int:
-    """Move each matched q/k rotation into the kernels (see the module docstring): into the
-    ``write_kv_and_attend`` call that alone reads it, else into its ``norm_projections`` call;
-    returns the rotations moved."""
+def fuse_rope_projections(gm: fx.GraphModule, into_attention: bool = False) -> int:
+    """Move each matched q/k rotation into the kernels (see the module docstring): with
+    ``into_attention`` into the ``write_kv_and_attend`` call that alone reads it, else (and for
+    the rest) into its ``norm_projections`` call; returns the rotations moved."""
     graph = gm.graph
-    fused = _fuse_into_attention(graph)
+    fused = _fuse_into_attention(graph) if into_attention else 0
     order = {node: i for i, node in enumerate(graph.nodes)}
     for call in list(graph.nodes):
         if not _call(call, "call_function", norm_projections):

@@ -185,6 +185,8 @@ class ModelRunner:
             cuBLAS) and fold a residual add + RMSNorm into the projections of one-token steps
             (:mod:`paged_ops.engine.norm_fusion`). ``LLM`` turns it on for CUDA models; off here
             unless asked.
+        rope_in_attention: with ``small_linears``, q and k's RoPE goes into
+            ``paged_ops::write_kv_and_attend`` (:mod:`paged_ops.engine.rope_fusion`).
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward: the identical layers are
             served by the compile caches (:mod:`paged_ops.engine.regions`; a shorter first
@@ -217,6 +219,7 @@ class ModelRunner:
         cuda_graphs: bool,
         fuse_projections: bool = True,
         small_linears: bool = False,
+        rope_in_attention: bool = False,
         compile_regions: bool = False,
         rope_tables: bool = True,
         verify_tokens: int = 0,
@@ -245,6 +248,7 @@ class ModelRunner:
         self.num_fused_linears = 0  # linear calls removed from the compiled graph
         self.num_small_linears = 0  # linear calls sent through paged_ops::small_linear
         self._small_linears = bool(small_linears and compile)
+        self._rope_in_attention = bool(rope_in_attention and self._small_linears)
         self.num_fused_norms = 0  # RMSNorms computed inside paged_ops::add_rms_norm_linear
         self.num_fused_mlps = 0  # SiLU-mul products computed inside paged_ops::silu_mul_linear
         self.num_fused_ropes = 0  # q/k rotations moved into the attention op or the projection
@@ -273,6 +277,7 @@ class ModelRunner:
                     _weak(self._count_fused),
                     fuse=fuse_projections,
                     small_linears=small_linears,
+                    rope_in_attention=rope_in_attention,
                     max_out_features=SMALL_LINEAR_MAX_OUT,
                     on_rerouted=_weak(self._count_rerouted),
                     on_norms_fused=_weak(self._count_norms),
@@ -291,6 +296,7 @@ class ModelRunner:
                 if precompile_dir is not None:
                     options = dict(cuda_graphs=cuda_graphs, fuse_projections=fuse_projections,
                                    small_linears=small_linears, rope_tables=rope_tables,
+                                   rope_in_attention=rope_in_attention,
                                    verify_tokens=verify_tokens)  # fmt: skip
                     self._set_up_precompiled(precompile_dir, forward, backend, options)
             # on close(), or once a runner dropped without close() is collected
@@ -693,7 +699,7 @@ class ModelRunner:
         elif self._compiled and self.device.type == "cuda":  # variants beside the compile
             prebuild = variant_prebuild.start(
                 self.pa, shapes + self._graph_steps(), self._small_linear_weights(),
-                rope=self._small_linears,  # the RoPE pass runs (it matches Llama-like blocks)
+                rope=self._rope_in_attention,  # (the RoPE pass matches Llama-like blocks)
             )  # fmt: skip
         try:
             for i, (tokens, seqs) in enumerate(shapes):
