@@ -94,8 +94,8 @@ def _steps_per_variant(pa: PagedAttention, steps: Sequence[Step]) -> list[tuple[
 def _call_each(pa: PagedAttention, work: list[tuple[int, Step]], rope: bool = False) -> int:
     """One backend ``paged_attention`` call per ``(layer, step)`` of ``work``, with the engine's
     own argument values; returns how many calls the backend accepted. ``rope``: the kernels that
-    write a decode step's K/V also rotate q and k (the engine's RoPE pass moved the rotation
-    into ``paged_ops::write_kv_and_attend``)."""
+    write a decode step's K/V also rotate q and k, and other steps launch the rotation kernel
+    first (the engine's RoPE pass moved the rotation into ``paged_ops::write_kv_and_attend``)."""
     from paged_ops.backends import triton as triton_backend
     from paged_ops.backends.triton_rope_kernels import rotate_heads
     from paged_ops.engine.runner import warm_up_slices  # (the runner imports this module)
