@@ -60,7 +60,7 @@ def compile_decode(kv: str, head_dim: int, tile_n: int, stages: int, warps: int,
         HEAD_DIM=head_dim, CAUSAL=True, USE_WINDOW=False, USE_SOFTCAP=False, USE_SINKS=False,
         USE_ALIBI=False, NUM_SEGMENTS=segments, IEEE_DOT=False, USE_K_SCALE=fp8, USE_V_SCALE=fp8,
         FP8_CACHE=fp8, FP8_BITS=False, FP8_MAN=3, FP8_BIAS=7, FP8_SUB_ULP=2.0**-9, F16_DOT=fp8,
-        KV_HEADS=kv_heads, V_PAIRS=fp8 and v_pairs, FIRST_BLOCKS=first_blocks, WRITE_KV=False,
+        KV_HEADS=kv_heads, V_PAIRS=fp8 and v_pairs, FIRST_BLOCKS=first_blocks, WRITE_KV=False, ROPE=False,
         HEADS_FASTEST=True, **{n: 1 for n in UNIT_STRIDES},
     )  # fmt: skip
     pointers = {
