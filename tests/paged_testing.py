@@ -382,3 +382,33 @@ def linear_operands(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)  # [N, K]
     b = torch.randn(n, generator=g).to(dtype) if bias else None  # [N]
     return x, w, b
+
+
+def attend_writing_kv(batch: PagedBatch, **launch: object) -> torch.Tensor:
+    """The triton attention over ``batch`` given its new K/V and slots (``new_key``...): the
+    kernel writes them (or the write kernel first where it cannot); ``launch``: ``config``,
+    ``rope``."""
+    from paged_ops.backends import triton as triton_backend
+
+    return triton_backend.paged_attention(
+        batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
+        scale=batch.query.shape[2] ** -0.5, causal=True, window=0, softcap=0.0, sinks=None,
+        alibi_slopes=None, new_key=batch.new_key, new_value=batch.new_value,
+        slot_mapping=batch.slot_mapping, **launch,
+    )  # fmt: skip
+
+
+def record_attention_calls(monkeypatch: object) -> list[tuple[bool, bool]]:
+    """Wrap the triton backend's ``paged_attention`` (through ``monkeypatch``); the list gets
+    ``(rope given, the kernel writes K/V)`` per call."""
+    from paged_ops.backends import triton as triton_backend
+
+    calls: list[tuple[bool, bool]] = []
+    attention = triton_backend.paged_attention
+
+    def recorded(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append((kwargs.get("rope") is not None, kwargs.get("new_key") is not None))
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "paged_attention", recorded)  # type: ignore[attr-defined]
+    return calls

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from hf_models import build_model, make_prompts
+from paged_testing import record_attention_calls
 from torch._dynamo.utils import counters
 
 from paged_ops.engine import fusion, mlp_fusion, norm_fusion, rope_fusion
@@ -293,7 +294,7 @@ def test_small_linears_with_rope_in_attention_rotate_in_the_attention_kernel_eag
     from paged_ops import LLM, SamplingParams
     from paged_ops.engine import runner
 
-    triton_backend = pytest.importorskip("paged_ops.backends.triton")
+    pytest.importorskip("paged_ops.backends.triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
     monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
@@ -306,16 +307,7 @@ def test_small_linears_with_rope_in_attention_rotate_in_the_attention_kernel_eag
     fused = LLM(tiny_llama(seed=5), compile=True, small_linears=True, rope_in_attention=True,
                 **kwargs)  # fmt: skip
     assert fused.runner.num_fused_ropes == 2  # both layers, into the attention op
-    calls: list[tuple[bool, bool]] = []  # per attention call: (rope given, kernel writes K/V)
-    attention = triton_backend.paged_attention
-    monkeypatch.setattr(
-        triton_backend,
-        "paged_attention",
-        lambda *a, **k: (
-            calls.append((k.get("rope") is not None, k.get("new_key") is not None))
-            or attention(*a, **k)
-        ),
-    )
+    calls = record_attention_calls(monkeypatch)  # per call: (rope given, kernel writes K/V)
     got = [o.token_ids for o in fused.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert (True, True) in calls and (False, False) in calls  # decode steps, prefills

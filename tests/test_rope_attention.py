@@ -9,7 +9,13 @@ import dataclasses
 
 import pytest
 import torch
-from paged_testing import PagedBatch, assert_matches_dense, dense_batch_f64, make_batch
+from paged_testing import (
+    PagedBatch,
+    assert_matches_dense,
+    attend_writing_kv,
+    dense_batch_f64,
+    make_batch,
+)
 
 import paged_ops  # noqa: F401 (registers the ops)
 from paged_ops.rope import rope_rows, rotate_half
@@ -55,15 +61,6 @@ def rotated(batch: PagedBatch, rotate) -> PagedBatch:  # noqa: ANN001
     ]
     return dataclasses.replace(batch, query=rotate(batch.query), new_key=new_key, keys=keys,
                                kv_cache=batch.kv_cache.clone())  # fmt: skip
-
-
-def attend_writing_kv(batch: PagedBatch, **launch):
-    return triton_backend.paged_attention(
-        batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
-        scale=batch.query.shape[2] ** -0.5, causal=True, window=0, softcap=0.0, sinks=None,
-        alibi_slopes=None, new_key=batch.new_key, new_value=batch.new_value,
-        slot_mapping=batch.slot_mapping, **launch,
-    )  # fmt: skip
 
 
 def test_rotate_half_is_the_float64_rotation_rounded_once():

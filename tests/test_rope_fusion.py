@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from hf_models import build_model, make_prompts
+from paged_testing import record_attention_calls
 from torch._dynamo import lookup_backend
 
 from paged_ops.engine import fusion
@@ -106,7 +107,7 @@ def test_on_triton_every_layer_rotates_inside_the_attention_op_with_the_same_log
     # pass hands it cos/sin (every layer's rotation, layer 0's too: no fused norm needed) and the
     # q/k/v projections rotate nothing; the prefill rotates before its launches, the decode step
     # inside the kernel. Without, the one-token step's projections rotate (layer 0's: the model)
-    triton_backend = pytest.importorskip("paged_ops.backends.triton")
+    pytest.importorskip("paged_ops.backends.triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
     model, step = steps_of("llama", seed=2, backend="triton")
@@ -116,16 +117,7 @@ def test_on_triton_every_layer_rotates_inside_the_attention_op_with_the_same_log
     fusion.stack_projection_weights(model)
     counts: list[int] = []
     compiled = compiled_with_passes(model, counts, into_attention)
-    calls: list[tuple[bool, bool]] = []  # per attention call: (rope given, kernel writes K/V)
-    attention = triton_backend.paged_attention
-    monkeypatch.setattr(
-        triton_backend,
-        "paged_attention",
-        lambda *a, **k: (
-            calls.append((k.get("rope") is not None, k.get("new_key") is not None))
-            or attention(*a, **k)
-        ),
-    )
+    calls = record_attention_calls(monkeypatch)  # per call: (rope given, kernel writes K/V)
     norms: list[object] = []
     kernels = pytest.importorskip("paged_ops.backends.triton_norm_linear_kernels")
     launch = kernels.add_rms_norm_gemv

@@ -18,6 +18,7 @@ from paged_testing import (
     PADDED_FEATURES,
     assert_matches_dense,
     assert_rows_zero,
+    attend_writing_kv,
     count_write_kv_launches,
     dense_batch_f64,
     make_batch,
@@ -38,17 +39,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 MIXED = [(0, 7), (13, 1), (30, 5), (0, 1), (21, 1)]  # (context_len, q_len): prefill, decode, chunk
-
-
-def attend_writing_kv(batch, **launch):
-    """The triton attention over ``batch`` given its new K/V and slots (``new_key``...): the
-    kernel writes them (or the write kernel first where it cannot); ``launch``: ``config``."""
-    return triton_backend.paged_attention(
-        batch.query, batch.kv_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
-        scale=batch.query.shape[2] ** -0.5, causal=True, window=0, softcap=0.0, sinks=None,
-        alibi_slopes=None, new_key=batch.new_key, new_value=batch.new_value,
-        slot_mapping=batch.slot_mapping, **launch,
-    )  # fmt: skip
 
 
 def run_triton(batch, num_segments=None, **kwargs):

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_ops.backends.triton_kernels import _rope_partner
+
 
 @triton.jit
 def _rotate_rows(
@@ -23,9 +25,7 @@ def _rotate_rows(
     ``dst`` (contiguous ``[T, HEADS, HEAD_DIM]``)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    first = offs_d < HEAD_DIM // 2
-    partner = tl.where(first, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
-    sign = tl.where(first, -1.0, 1.0)
+    partner, sign = _rope_partner(offs_d, HEAD_DIM)
     mask = (offs_h < HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_H, BLOCK_D]
     rows = src + tok * stride_t + offs_h[:, None] * stride_h
     x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
