@@ -123,6 +123,7 @@ def rule_rows(ms: list[int], rounds: int) -> list[dict]:
     import os
 
     from paged_ops import small_linear
+    from paged_ops.linear import graph_kernels
 
     rows = []
     for name, n, k in (("down_1b", 2048, 8192), ("down_8b", 4096, 14336)):
@@ -135,7 +136,8 @@ def rule_rows(ms: list[int], rounds: int) -> list[dict]:
             for r in range(rounds):
                 for label in ("cublas", "rule") if r % 2 == 0 else ("rule", "cublas"):
                     os.environ["PAGED_OPS_SPLIT_K_GEMM"] = "0" if label == "cublas" else "1"
-                    times[label].append(time_calls(small_linear, weights, x, 64))
+                    with graph_kernels():  # the rule a CUDA graph records
+                        times[label].append(time_calls(small_linear, weights, x, 64))
             os.environ.pop("PAGED_OPS_SPLIT_K_GEMM")
             cublas, rule = (statistics.median(times[lb]) for lb in ("cublas", "rule"))
             rows.append(dict(shape=name, m=m, n=n, k=k, cublas_us=cublas, rule_us=rule,

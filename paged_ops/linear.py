@@ -6,8 +6,9 @@ reaches about half of an H100/H200's copy bandwidth on them. The op runs the Tri
 float16/bfloat16/float32 input on CUDA, or a float16/float32 one on CPU under
 ``TRITON_INTERPRET=1`` (whose bfloat16 dots are wrong), a weight whose last stride is 1, triton
 installed); on a Hopper GPU, a 16-bit batch of 64-256 rows through a deep, narrow weight (a gated
-MLP's down projection) runs the split-K TMA GEMM of :mod:`paged_ops.backends.triton_gemm_kernels`
-(:func:`split_k_gemm_applies`); everything else goes to ``torch.nn.functional.linear``, so it is
+MLP's down projection) that a CUDA graph records runs the split-K TMA GEMM of
+:mod:`paged_ops.backends.triton_gemm_kernels` (:func:`split_k_gemm_applies`, :func:`graph_kernels`);
+everything else goes to ``torch.nn.functional.linear``, so it is
 correct for any ``M``. Like the attention ops it is defined with the low-level
 ``torch.library.Library`` API and is one opaque node for torch.compile (fake kernel from shapes
 only); triton loads on the first call that uses it, never at ``import paged_ops``.
@@ -15,8 +16,10 @@ only); triton loads on the first call that uses it, never at ``import paged_ops`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +28,7 @@ from paged_ops.triton_dispatch import kernel_module, num_sms_of, runs_kernels_on
 
 SMALL_M_MAX = 16  # rows (tokens) up to which the Triton GEMV runs; above it cuBLAS's GEMM
 SPLIT_K_GEMM_ROWS = (64, 256)  # rows (inclusive) at which a deep, narrow weight takes the TMA GEMM
+_graph_kernels = 0  # open graph_kernels() blocks
 
 _lib = torch.library.Library("paged_ops", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
 _lib.define("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
@@ -123,6 +127,30 @@ def _split_k_gemm_config(x2d: torch.Tensor, weight: torch.Tensor):  # -> GemmCon
     return config if config.split_k > 1 else None
 
 
+@contextlib.contextmanager
+def graph_kernels() -> Iterator[None]:
+    """Within the block, ``small_linear`` launches what it launches while a CUDA graph is
+    captured (the split-K GEMM where :func:`split_k_gemm_applies`) also outside a capture: the
+    engine's warm-up, so that the kernels a capture records compile before it.
+
+    Outside a capture and this block the split-K GEMM is not used: its launch (two Triton kernels
+    and their TMA descriptors) costs ~8x cuBLAS's host time, 212 against 27 us per call on an
+    H200 host, which a step launched from Python pays (a 128-token prefill: ~3 ms over 16 layers)
+    for a device gain of 2-3 us per call (benchmarks/NOTES.md sections 32 and 35); inside a graph
+    only the device time counts."""
+    global _graph_kernels
+    _graph_kernels += 1
+    try:
+        yield
+    finally:
+        _graph_kernels -= 1
+
+
+def _graph_step(x: torch.Tensor) -> bool:
+    """Whether a call on ``x`` launches the kernels a CUDA graph records (:func:`graph_kernels`)."""
+    return x.is_cuda and (_graph_kernels > 0 or torch.cuda.is_current_stream_capturing())
+
+
 def _small_linear_impl(
     x: torch.Tensor,  # [..., K]
     weight: torch.Tensor,  # [N, K]
@@ -130,7 +158,7 @@ def _small_linear_impl(
 ) -> torch.Tensor:  # [..., N]
     _check(x, weight, bias)
     x2d = x.reshape(-1, x.shape[-1])  # [M, K]; a view when x's layout allows
-    config = _split_k_gemm_config(x2d, weight)
+    config = _split_k_gemm_config(x2d, weight) if _graph_step(x2d) else None
     if config is not None:
         gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
         out = gemm.split_k_gemm(x2d, weight, bias, config=config)  # [M, N]

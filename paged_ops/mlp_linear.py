@@ -7,8 +7,10 @@ The engine's graph pass (:func:`paged_ops.engine.mlp_fusion.fuse_silu_mul_linear
 (16) rows it is one launch of ``small_linear``'s GEMV kernel with the ``SILU_MUL`` prologue (one
 row: no split-K, so no reduce kernel either; several rows: split-K and its reduce for a deep K)
 (:mod:`paged_ops.backends.triton_linear_kernels`): the product is formed from the loaded gate and
-up tiles in registers, never stored. Without triton (or on a CPU without ``TRITON_INTERPRET=1``),
-or above ``SMALL_M_MAX`` rows, it is the model's own math in torch. It is one opaque node for
+up tiles in registers, never stored. Above ``SMALL_M_MAX`` rows it is one SiLU-mul kernel (float32,
+rounded once, as Inductor's fused kernel) and then ``small_linear`` (cuBLAS, or the split-K GEMM
+where that serves the shape). Without triton (or on a CPU without ``TRITON_INTERPRET=1``) it is
+the model's own math in torch. It is one opaque node for
 torch.compile (fake kernel from shapes only); it records no autograd (the engine runs under
 ``inference_mode``).
 """
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 # small_linear's dispatch rule: the same kernel, so the same conditions
 from paged_ops.linear import _triton_kernels, _use_triton
+from paged_ops.triton_dispatch import runs_kernels_on
 
 _lib = torch.library.Library("paged_ops", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
 _lib.define("silu_mul_linear(Tensor gate, Tensor up, Tensor weight) -> Tensor")
@@ -49,9 +52,14 @@ def _impl(
     _check(gate, up, weight)
     width = gate.shape[-1]
     gate2d = gate.reshape(-1, width)  # [M, I]; a view of the gate/up output's first half
-    if not _use_triton(gate2d, weight):
+    if _use_triton(gate2d, weight):
+        out = _triton_kernels().silu_mul_linear(gate2d, up.reshape(-1, width), weight)  # [M, N]
+        return out.view(*gate.shape[:-1], weight.shape[0])
+    kernels = _triton_kernels()
+    if kernels is None or not runs_kernels_on(gate2d):
         return F.linear(F.silu(gate) * up, weight)
-    out = _triton_kernels().silu_mul_linear(gate2d, up.reshape(-1, width), weight)  # [M, N]
+    product = kernels.silu_mul(gate2d, up.reshape(-1, width))  # [M, I], one launch
+    out = torch.ops.paged_ops.small_linear.default(product, weight, None)  # [M, N]
     return out.view(*gate.shape[:-1], weight.shape[0])
 
 
@@ -77,7 +85,8 @@ def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) 
         ``[..., N]`` in gate's dtype. Up to 16 rows on CUDA (or under ``TRITON_INTERPRET=1`` on
         float16/float32) it is one Triton GEMV that forms ``silu(gate) * up`` in float32, rounds
         it once to the dtype (as Inductor's fused pointwise kernel does) and accumulates in
-        float32; otherwise ``F.linear(F.silu(gate) * up, weight)``.
+        float32; more rows there run one SiLU-mul kernel of that rounding, then
+        ``small_linear``; elsewhere ``F.linear(F.silu(gate) * up, weight)``.
 
     Raises:
         ValueError: shapes that do not match, tensors on different devices.

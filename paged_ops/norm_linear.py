@@ -6,8 +6,9 @@ The engine's graph passes (:func:`paged_ops.engine.norm_fusion.fuse_norm_linears
 default for CUDA models) put it where a Llama-style ``RMSNorm`` of a residual sum feeds
 projections, with ``cos``/``sin`` where that projection is a stacked q/k/v whose q and k are
 rotated next. A step of one token runs one Triton kernel (the GEMV does the add and the norm:
-:mod:`paged_ops.backends.triton_norm_linear_kernels`); more tokens run the add + norm kernel and
-then ``small_linear`` (a Triton GEMV up to 16 rows, else ``F.linear``). Without triton (or on a CPU
+:mod:`paged_ops.backends.triton_norm_linear_kernels`); more tokens run the add + norm kernel,
+then ``small_linear`` (a Triton GEMV up to 16 rows, else ``F.linear``), then with ``cos``/``sin``
+one rotation kernel (:func:`paged_ops.backends.triton_rope_kernels.rotate_columns`). Without triton (or on a CPU
 without ``TRITON_INTERPRET=1``) it is the model's own math in torch. It is one opaque node for
 torch.compile (fake kernel from shapes only); it records no autograd (the engine runs under
 ``inference_mode``).
@@ -140,6 +141,13 @@ def _impl(
         return out.view(*x.shape[:-1], weight.shape[0]), h.view(x.shape)
     h, y = kernels.add_rms_norm(x2d, r2d, norm_weight, eps)  # [M, K] each
     out = torch.ops.paged_ops.small_linear.default(y, weight, None)  # [M, N]; checked above
+    if cos is not None and weight.shape[0] % d == 0 and out.stride(-1) == 1:
+        rope_kernels = kernel_module("paged_ops.backends.triton_rope_kernels")
+        cos2d, sin2d = cos.reshape(-1, d), sin.reshape(-1, d)  # [M, D]
+        if cos2d.stride(-1) != 1 or sin2d.stride(-1) != 1:
+            cos2d, sin2d = cos2d.contiguous(), sin2d.contiguous()
+        out = rope_kernels.rotate_columns(out, cos2d, sin2d, rope_cols)  # [M, N], one launch
+        cos = None
     out = out.view(*x.shape[:-1], weight.shape[0])
     return (out if cos is None else rotate(out, cos, sin, rope_cols)), h.view(x.shape)
 

@@ -225,10 +225,16 @@ def test_norm_fusion_takes_llama_style_norms_only(family, expected):
     assert norms == [2 * layers - 1 if expected == "2L-1" else 0]
 
 
-def test_norm_fusion_and_mlp_fusion_in_the_engine_one_token_steps_with_eager_tokens(monkeypatch):
+@pytest.mark.parametrize("fold_conds", [True, False], ids=["conds", "ops"])
+def test_norm_fusion_and_mlp_fusion_in_the_engine_one_token_steps_with_eager_tokens(
+    fold_conds, monkeypatch
+):
     # the compiled engine with small_linears: its one-token decode steps launch the fused
     # add + RMSNorm + GEMV kernel (rotating q and k where rope_fusion placed it) and the GEMV with
-    # the SiLU-mul prologue (under the interpreter in CI), and greedy tokens equal eager's
+    # the SiLU-mul prologue (under the interpreter in CI), and greedy tokens equal eager's. Steps
+    # of several tokens run the conds' other branches (the model's own ops) with fold_conds, and
+    # the same ops' several-row kernels without (the add + norm kernel, the rotation kernel, the
+    # GEMV's SiLU-mul prologue up to 16 rows)
     from engine_models import prompts_of, tiny_llama
 
     from paged_ops import LLM, SamplingParams
@@ -236,15 +242,23 @@ def test_norm_fusion_and_mlp_fusion_in_the_engine_one_token_steps_with_eager_tok
 
     norm_kernels = pytest.importorskip("paged_ops.backends.triton_norm_linear_kernels")
     linear_kernels = pytest.importorskip("paged_ops.backends.triton_linear_kernels")
+    rope_kernels = pytest.importorskip("paged_ops.backends.triton_rope_kernels")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
     norms: list[bool] = []  # per norm launch: whether it rotated q and k (rope_fusion)
-    mlps: list[int] = []
+    mlps: list[int] = []  # per SiLU-mul GEMV launch: its rows
+    row_norms: list[int] = []  # per several-row add + norm launch: its rows
+    rotations: list[int] = []  # per several-row rotation launch: its rows
     norm_launch, mlp_launch = norm_kernels.add_rms_norm_gemv, linear_kernels.silu_mul_linear
+    rows_launch, rotate_launch = norm_kernels.add_rms_norm, rope_kernels.rotate_columns
     monkeypatch.setattr(norm_kernels, "add_rms_norm_gemv",
                         lambda *a: norms.append(a[5] is not None) or norm_launch(*a))  # fmt: skip
     monkeypatch.setattr(linear_kernels, "silu_mul_linear",
-                        lambda *a: mlps.append(1) or mlp_launch(*a))  # fmt: skip
+                        lambda *a: mlps.append(a[0].shape[0]) or mlp_launch(*a))  # fmt: skip
+    monkeypatch.setattr(norm_kernels, "add_rms_norm",
+                        lambda *a: row_norms.append(a[0].shape[0]) or rows_launch(*a))  # fmt: skip
+    monkeypatch.setattr(rope_kernels, "rotate_columns",
+                        lambda *a: rotations.append(a[0].shape[0]) or rotate_launch(*a))  # fmt: skip
     monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
     torch._dynamo.reset()
     prompts, params = prompts_of([5, 3], seed=4), SamplingParams(max_new_tokens=4)
@@ -252,31 +266,39 @@ def test_norm_fusion_and_mlp_fusion_in_the_engine_one_token_steps_with_eager_tok
                   num_blocks=32)  # fmt: skip
     eager = LLM(tiny_llama(seed=5), compile=False, **kwargs)
     counters.clear()
-    fused = LLM(tiny_llama(seed=5), compile=True, small_linears=True, **kwargs)
+    fused = LLM(tiny_llama(seed=5), compile=True, small_linears=True, fold_conds=fold_conds,
+                **kwargs)  # fmt: skip
     assert fused.runner.num_fused_norms == 3  # 2 layers: all but layer 0's input norm
     assert fused.runner.num_fused_ropes == 1  # layer 1's q/k/v (layer 0's has no fused norm)
     assert fused.runner.num_fused_mlps == 2  # 2 layers
     assert counters["stats"]["unique_graphs"] == 1
+    launches = (norms, mlps, row_norms, rotations)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for prompt in prompts:  # one request at a time: its decode steps have one token
-            norms.clear()  # (the warm-up ran one-token steps too)
-            mlps.clear()
+            for launched in launches:
+                launched.clear()  # (the warm-up ran steps of every kind)
             tokens = fused.generate([prompt], params, use_tqdm=False)[0].token_ids
             assert tokens == eager.generate([prompt], params, use_tqdm=False)[0].token_ids
             assert len(norms) == 3 * 3  # 3 decode steps x the 3 fused norms
             assert sum(norms) == 3  # layer 1's q/k/v, rotated in the kernel
-            assert len(mlps) == 3 * 2  # 3 decode steps x 2 layers
-        # prefills and two-token decode steps: the model's own add, norm, matmuls and SiLU-mul
-        # (the conds' other branches); only a step left with one sequence launches the kernels
-        norms.clear()
-        mlps.clear()
+            # 3 decode steps x 2 layers (and the prefill's without conds)
+            assert sorted(mlps) == [1] * 6 + ([] if fold_conds else [len(prompt)] * 2)
+            assert row_norms == ([] if fold_conds else [len(prompt)] * 3)  # the prefill
+            assert rotations == ([] if fold_conds else [len(prompt)])  # its layer-1 q/k
+        # prefills and two-token decode steps: with conds the model's own add, norm, matmuls
+        # and SiLU-mul, so only a step left with one sequence launches the one-row kernels
+        for launched in launches:
+            launched.clear()
         both = fused.generate(prompts, params, use_tqdm=False)
         assert [o.token_ids for o in both] == [
             o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)
         ]
         one_token_steps = abs(len(both[0].token_ids) - len(both[1].token_ids))
         assert len(norms) == 3 * one_token_steps
-        assert len(mlps) == 2 * one_token_steps
+        several = len(mlps) // 2 - one_token_steps  # steps of several tokens
+        assert mlps.count(1) == 2 * one_token_steps
+        assert several == (0 if fold_conds else len(row_norms) // 3) and len(row_norms) % 3 == 0
+        assert len(rotations) == (0 if fold_conds else several) and (fold_conds or several > 0)
     assert counters["stats"]["unique_graphs"] == 1  # nothing traced after the warm-up
 
 

@@ -86,6 +86,14 @@ def test_compiled_graphed_engine_matches_hf_greedy(dtype, tol):
     check_engine_against_hf(small_llama(dtype), tol)
 
 
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-3), (torch.bfloat16, 0.15)])
+def test_folds_without_conds_match_hf_greedy(dtype, tol):
+    # LLM(fold_conds=False): the folds' ops serve every step (prefills of up to 100 rows run the
+    # add + norm, rotation and SiLU-mul kernels of ours, then the matmuls)
+    torch._dynamo.reset()
+    check_engine_against_hf(small_llama(dtype), tol, fold_conds=False)
+
+
 class _CountedGraph:
     """A CUDA graph whose replays are counted."""
 

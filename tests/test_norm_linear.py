@@ -187,10 +187,18 @@ def test_one_row_rotates_the_query_and_key_heads_in_the_kernel(d, heads, dtype, 
 
 @needs_interpreter
 @pytest.mark.parametrize("m", [2, 5])
-def test_several_rows_rotate_after_the_projection(m):
+def test_several_rows_rotate_after_the_projection(m, monkeypatch):
+    # one launch of the column rotation kernel after the projection
+    from paged_ops.backends import triton_rope_kernels
+
+    calls: list[int] = []
+    launch = triton_rope_kernels.rotate_columns
+    monkeypatch.setattr(triton_rope_kernels, "rotate_columns",
+                        lambda *a: calls.append(a[3]) or launch(*a))  # fmt: skip
     x, residual, norm_weight, weight = make((1, m, 48), 6 * 16, torch.float32, seed=m)
     cos, sin = rope_rows((1, m), 16, torch.float32, seed=m)
     out, _ = add_rms_norm_linear(x, residual, norm_weight, EPS, weight, cos, sin, 4 * 16)
+    assert calls == [4 * 16]
     projected, _ = float64_reference(x, residual, norm_weight, weight)
     expected = float64_rotated(projected, cos, sin, 4 * 16)
     scale = expected.abs().max().item() + 1

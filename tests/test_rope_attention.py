@@ -110,6 +110,28 @@ def test_the_rotation_kernel_rotates_strided_views_of_a_qkv_output(head_dim):
     assert none is None and torch.equal(alone, q_rot)
 
 
+@pytest.mark.parametrize("head_dim", [32, 80])
+def test_the_column_rotation_kernel_rotates_q_and_k_heads_of_a_qkv_output_and_copies_v(head_dim):
+    """The several-row path of a fused q/k/v projection that rotates (``LLM(fold_conds=
+    False)``): the first ``rope_cols`` columns of a strided ``[T, N]`` output rotated as heads
+    (float64 rotation, rounded once: bit for bit ``rotate_half``), the v heads copied as they
+    are, into a new contiguous tensor."""
+    from paged_ops.backends.triton_rope_kernels import rotate_columns
+
+    heads, rope_heads = 6 + 2 * 2, 6 + 2  # q 6, k 2, v 2
+    wide = torch.randn(7, heads * head_dim + 5, dtype=torch.float16)
+    qkv = wide[:, : heads * head_dim]  # [T, N], row stride N + 5
+    cos, sin = rope_of(7, head_dim, torch.float16, seed=head_dim + 1)
+    out = rotate_columns(qkv, cos, sin, rope_heads * head_dim)
+    assert out.shape == qkv.shape and out.is_contiguous() and out.data_ptr() != qkv.data_ptr()
+    qk = qkv[:, : rope_heads * head_dim].reshape(7, rope_heads, head_dim)
+    got = out[:, : rope_heads * head_dim].reshape(7, rope_heads, head_dim)
+    torch.testing.assert_close(got, rotate_f64(qk, cos, sin).half(), rtol=1e-3, atol=1e-3)
+    assert torch.equal(got, rotate_half(qk, cos, sin))
+    assert torch.equal(out[:, rope_heads * head_dim :], qkv[:, rope_heads * head_dim :])
+    assert rotate_columns(qkv[:0], cos[:0], sin[:0], head_dim).shape == (0, qkv.shape[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     ("head_dim", "kv_heads", "num_segments"),

@@ -96,14 +96,25 @@ def test_strided_inputs_and_a_stacked_weight_view():
 
 
 @needs_interpreter
-def test_more_than_sixteen_rows_are_the_torch_math(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_more_than_sixteen_rows_run_one_silu_mul_kernel_then_the_projection(dtype, monkeypatch):
+    # above the GEMV's rows: one SiLU-mul launch over the strided halves (float32, rounded once,
+    # as Inductor's fused kernel), then small_linear; against float64, and the product itself
+    # against the float64 SiLU-mul rounded once
     from paged_ops.backends import triton_linear_kernels as kernels
 
-    monkeypatch.setattr(kernels, "silu_mul_linear", None)
-    gate_up, weight = make(17, 24, 32, torch.float32, seed=5)
+    products: list[torch.Tensor] = []
+    launch = kernels.silu_mul
+    monkeypatch.setattr(kernels, "silu_mul", lambda *a: products.append(launch(*a)) or products[-1])
+    monkeypatch.setattr(kernels, "silu_mul_linear", None)  # the GEMV must not serve 17 rows
+    gate_up, weight = make(17, 24, 1100, dtype, seed=5)  # two column blocks, a masked tail
     gate, up = gate_up.chunk(2, -1)
     out = paged_ops.silu_mul_linear(gate, up, weight)
-    torch.testing.assert_close(out, F.linear(F.silu(gate) * up, weight))
+    assert len(products) == 1 and products[0].shape == (17, 1100)
+    assert_matches(out, gate, up, weight)
+    expected = (F.silu(gate.double()) * up.double())[0]  # float32 math: a few units at most
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(products[0].double(), expected, rtol=4 * eps, atol=eps * 1e-3)
 
 
 def test_bfloat16_on_the_cpu_is_the_models_own_math():

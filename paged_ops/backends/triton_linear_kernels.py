@@ -351,3 +351,40 @@ def _launch(
             **_pdl_launch(config.pdl),
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def silu_mul_kernel(
+    gate_ptr,  # [M, I], unit last stride
+    up_ptr,  # [M, I], unit last stride
+    out_ptr,  # [M, I] contiguous
+    width,  # I
+    stride_gm,
+    stride_um,
+    BLOCK: tl.constexpr,
+):
+    """Program ``(m, j)``: ``silu(gate) * up`` of row ``m``'s ``j``-th ``BLOCK`` columns, in
+    float32 and rounded once (the GEMV prologue's and Inductor's rounding)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < width
+    gate = tl.load(gate_ptr + row * stride_gm + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_um + offs, mask=mask, other=0.0).to(tl.float32)
+    out = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + row * width + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [M, I] each -> [M, I]
+    """``silu(gate) * up`` in one launch (gated MLPs of steps above ``SMALL_M_MAX`` rows, before
+    their down projection); shapes unchecked (:mod:`paged_ops.mlp_linear` validates them)."""
+    rows, width = gate.shape
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)
+    if rows == 0 or width == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(width))
+    silu_mul_kernel[(rows, triton.cdiv(width, block))](
+        gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=block, num_warps=4
+    )
+    return out

@@ -18,20 +18,27 @@ from paged_ops.backends.triton_kernels import _rope_partner
 
 @triton.jit
 def _rotate_rows(
-    src, dst, tok, stride_t, stride_h, c, s, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    src, dst, tok, stride_t, stride_h, stride_dst_t, c, s, HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROTATED: tl.constexpr = -1,
 ):  # fmt: skip
     """Token ``tok``'s ``HEADS`` rows of ``src`` rotated by ``c``/``s`` ``[BLOCK_D]`` into
-    ``dst`` (contiguous ``[T, HEADS, HEAD_DIM]``)."""
+    ``dst`` (``[T, HEADS, HEAD_DIM]``, token stride ``stride_dst_t``, heads packed); with
+    ``ROTATED >= 0`` only the first ``ROTATED`` heads are rotated and the rest copied."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     partner, sign = _rope_partner(offs_d, HEAD_DIM)
     mask = (offs_h < HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_H, BLOCK_D]
+    rotated = mask
+    if ROTATED >= 0:
+        rotated = mask & (offs_h < ROTATED)[:, None]
     rows = src + tok * stride_t + offs_h[:, None] * stride_h
     x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(rows + partner[None, :], mask=rotated, other=0.0).to(tl.float32)
     y = x * c[None, :] + (sign[None, :] * x_partner) * s[None, :]
-    out = dst + (tok * HEADS + offs_h[:, None]) * HEAD_DIM + offs_d[None, :]
+    if ROTATED >= 0:
+        y = tl.where(rotated, y, x)
+    out = dst + tok * stride_dst_t + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(out, y.to(dst.dtype.element_ty), mask=mask)
 
 
@@ -49,6 +56,8 @@ def rotate_heads_kernel(
     stride_kh,
     stride_cos,
     stride_sin,
+    stride_q_out,  # token strides of the outputs (heads packed within a token)
+    stride_k_out,
     NUM_Q_HEADS: tl.constexpr,
     NUM_K_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -63,11 +72,11 @@ def rotate_heads_kernel(
     c = tl.load(cos_ptr + tok * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + tok * stride_sin + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     if tl.program_id(1) == 0:
-        _rotate_rows(q_ptr, q_out_ptr, tok, stride_qt, stride_qh, c, s, NUM_Q_HEADS, HEAD_DIM,
-                     BLOCK_H, BLOCK_D)  # fmt: skip
+        _rotate_rows(q_ptr, q_out_ptr, tok, stride_qt, stride_qh, stride_q_out, c, s,
+                     NUM_Q_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)  # fmt: skip
     else:
-        _rotate_rows(k_ptr, k_out_ptr, tok, stride_kt, stride_kh, c, s, NUM_K_HEADS, HEAD_DIM,
-                     BLOCK_H, BLOCK_D)  # fmt: skip
+        _rotate_rows(k_ptr, k_out_ptr, tok, stride_kt, stride_kh, stride_k_out, c, s,
+                     NUM_K_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)  # fmt: skip
 
 
 def rotate_heads(
@@ -89,9 +98,60 @@ def rotate_heads(
     k_in, k_dst = (key, k_out) if key is not None else (query, q_out)
     rotate_heads_kernel[(num_tokens, 2 if key is not None else 1)](
         query, k_in, q_out, k_dst, cos, sin, query.stride(0), query.stride(1), k_in.stride(0),
-        k_in.stride(1), cos.stride(0), sin.stride(0), NUM_Q_HEADS=num_q_heads,
+        k_in.stride(1), cos.stride(0), sin.stride(0), q_out.stride(0), k_dst.stride(0),
+        NUM_Q_HEADS=num_q_heads,
         NUM_K_HEADS=k_in.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(max(num_q_heads, k_in.shape[1])),
         BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
     )  # fmt: skip
     return q_out, k_out
+
+
+@triton.jit
+def rotate_columns_kernel(
+    x_ptr,  # [M, N], unit last stride
+    out_ptr,  # [M, N] contiguous
+    cos_ptr,  # [M, D], unit stride along D
+    sin_ptr,
+    stride_x,
+    stride_cos,
+    stride_sin,
+    HEADS: tl.constexpr,  # N // D
+    ROTATED: tl.constexpr,  # leading heads rotated
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program ``t``: row ``t`` of ``x`` as ``HEADS`` heads, the first ``ROTATED`` rotated by its
+    cos/sin row (float32, rounded once), the others copied, into ``out``."""
+    tok = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    c = tl.load(cos_ptr + tok * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + tok * stride_sin + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    _rotate_rows(x_ptr, out_ptr, tok, stride_x, HEAD_DIM, HEADS * HEAD_DIM, c, s, HEADS,
+                 HEAD_DIM, BLOCK_H, BLOCK_D, ROTATED)  # fmt: skip
+
+
+def rotate_columns(
+    x: torch.Tensor,  # [M, N], unit last stride, N a multiple of D
+    cos: torch.Tensor,  # [M, D], unit stride along D
+    sin: torch.Tensor,
+    rope_cols: int,  # a multiple of D, <= N
+) -> torch.Tensor:  # [M, N] contiguous
+    """Rotate-half RoPE of ``x``'s first ``rope_cols`` columns taken as heads of ``D`` (a stacked
+    q/k/v projection's q and k), the other columns copied: one launch of one program per row
+    (the model's two RoPE expressions would be one Inductor kernel; in torch they are seven)."""
+    rows, width = x.shape
+    head_dim = cos.shape[-1]
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    heads = width // head_dim
+    block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
+    rotate_columns_kernel[(rows,)](
+        x, out, cos, sin, x.stride(0), cos.stride(0), sin.stride(0), HEADS=heads,
+        ROTATED=rope_cols // head_dim, HEAD_DIM=head_dim,
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d <= 4096 else 8,
+    )  # fmt: skip
+    return out

@@ -274,13 +274,20 @@ def cond_on_one_token(
     one_token: Callable[..., tuple],
     other: Callable[..., tuple],
     operands: tuple,
+    conds: bool = True,
 ) -> tuple:
     """``one_token(*operands)`` in a step of one token, ``other(*operands)`` otherwise: the graph
     passes' fused branch (the batch-1 graph) against the model's own ops. Traced with symbolic
     sizes it is a ``torch.ops.higher_order.cond`` on that size: the host picks the branch from
     the shapes (no device sync), a CUDA graph keeps the branch its step took, and one compiled
     graph serves every step. With concrete sizes (eager) it is a plain call. Both branches
-    return tuples of tensors (Inductor's lowering of ``cond`` needs them)."""
+    return tuples of tensors (Inductor's lowering of ``cond`` needs them).
+
+    ``conds=False`` (``LLM(fold_conds=False)``): no ``cond``; ``one_token`` serves every step,
+    its ops choosing their kernels from the row count when they run. AOTAutograd and Inductor
+    then see one opaque op where a ``cond`` had two traced branches (compile time)."""
+    if not conds:
+        return one_token(*operands)
     rows = math.prod(tokens.shape[:-1])
     if not isinstance(rows, torch.SymInt):  # eager, concrete sizes
         return (one_token if rows == 1 else other)(*operands)
@@ -340,6 +347,7 @@ def compile_backend(
     on_mlps_fused: Callable[[int], None] | None = None,
     on_ropes_fused: Callable[[int], None] | None = None,
     rope_in_attention: bool = False,
+    fold_conds: bool = True,
 ) -> Callable:
     """A ``torch.compile`` backend: :func:`fuse_linears` (``fuse``), then with ``small_linears``
     :func:`~paged_ops.engine.norm_fusion.fuse_norm_linears` (residual add + RMSNorm + the
@@ -353,7 +361,8 @@ def compile_backend(
     many went to the small-batch op, ``on_norms_fused`` how many norms went into projections,
     ``on_mlps_fused`` how many SiLU-mul products went into down projections, ``on_ropes_fused``
     how many q/k rotations moved (into the attention op with ``rope_in_attention``, else into
-    the q/k/v projection).
+    the q/k/v projection). ``fold_conds`` is :func:`cond_on_one_token`'s ``conds`` for every
+    fold.
     While Inductor autotunes GEMMs (``max_autotune`` or
     ``max_autotune_gemm`` in ``torch._inductor.config`` when the graph is compiled), nothing is
     fused: its autotuner times each matmul on fresh inputs sized from the graph's own inputs, and a
@@ -375,13 +384,13 @@ def compile_backend(
             from paged_ops.engine.norm_fusion import fuse_norm_linears
             from paged_ops.engine.rope_fusion import fuse_rope_projections
 
-            norms = fuse_norm_linears(gm, max_out_features)
+            norms = fuse_norm_linears(gm, max_out_features, conds=fold_conds)
             if on_norms_fused is not None:
                 on_norms_fused(norms)
             ropes = fuse_rope_projections(gm, into_attention=rope_in_attention)
             if on_ropes_fused is not None:
                 on_ropes_fused(ropes)
-            mlps = fuse_silu_mul_linears(gm, max_out_features)
+            mlps = fuse_silu_mul_linears(gm, max_out_features, conds=fold_conds)
             if on_mlps_fused is not None:
                 on_mlps_fused(mlps)
             rerouted = route_small_linears(gm, max_out_features)

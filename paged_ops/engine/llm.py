@@ -294,6 +294,15 @@ class LLM:
             kernel is gone, layer 0's included. Off by default until measured end to end: a
             256-sequence decode graph on an H200 is 1.9% shorter with it, batch 1's the same
             (benchmarks/NOTES.md section 34).
+        fold_conds: with ``small_linears``, how the one-token folds (norm, RoPE, SiLU-mul into
+            the GEMVs) meet steps of several tokens. True: each fold is a ``cond`` on the step's
+            size whose other branch is the model's own ops as Inductor compiles them. False:
+            each fold is one op that picks its kernels when it runs (one token: the fused GEMV;
+            more: one add + RMSNorm, SiLU-mul or rotation kernel of ours, then the matmul), which
+            AOTAutograd and Inductor compile as one opaque node instead of two traced branches.
+            H200, 1B model (benchmarks/NOTES.md section 35): first start 28.9 vs 44.0 s, but a
+            batch-1 prefill ~3 ms longer (the ops' launches cost more host time than Inductor's
+            code), so True by default.
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward; identical layers are served
             by Inductor's and AOTAutograd's caches, so the first start compiles one layer's
@@ -382,6 +391,7 @@ class LLM:
         compile_regions: bool = False,
         rope_tables: bool = True,
         rope_in_attention: bool = False,
+        fold_conds: bool = True,
         precompile: bool | None = None,
         kv_cache_dtype: str | torch.dtype | None = None,
         calculate_kv_scales: bool | None = None,
@@ -400,6 +410,7 @@ class LLM:
             compile_regions=compile_regions,
             rope_tables=rope_tables,
             rope_in_attention=rope_in_attention,
+            fold_conds=fold_conds,
             precompile=precompile,
         )
         given = dict(
@@ -512,6 +523,7 @@ class LLM:
             compile_regions=flags["compile_regions"],
             rope_tables=flags["rope_tables"],
             rope_in_attention=flags["rope_in_attention"],
+            fold_conds=flags["fold_conds"],
         )
         spec = self.speculative
         self.runner = ModelRunner(

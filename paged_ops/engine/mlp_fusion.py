@@ -132,18 +132,22 @@ def _rows(gate_up: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
 def silu_mul_projection(
     gate_up: torch.Tensor,  # [..., 2I] the gate projection's output, then the up projection's
     weight: torch.Tensor,  # [N, I]
+    conds: bool = True,
 ) -> torch.Tensor:  # [..., N]
     """What the pass puts in the graph (:func:`~paged_ops.engine.fusion.cond_on_one_token`): a
     one-token step runs ``silu_mul_linear`` and every other step the model's SiLU-mul and then
-    ``small_linear``. The operand is the whole gate/up output, split inside each branch
+    ``small_linear`` (``conds=False``: ``silu_mul_linear`` in every step). The operand is the whole gate/up output, split inside each branch
     (``cond`` refuses operands that alias each other, as its two halves do); the branches return
     a 1-tuple (Inductor's lowering of ``cond`` zips the branch outputs with the node's value)."""
-    return cond_on_one_token(gate_up, _one_row, _rows, (gate_up, weight))[0]
+    return cond_on_one_token(gate_up, _one_row, _rows, (gate_up, weight), conds)[0]
 
 
-def fuse_silu_mul_linears(gm: fx.GraphModule, max_out_features: int | None = None) -> int:
+def fuse_silu_mul_linears(
+    gm: fx.GraphModule, max_out_features: int | None = None, conds: bool = True
+) -> int:
     """Replace each matched ``linear(silu(gate) * up, W)`` by one :func:`silu_mul_projection`
-    call (see the module docstring); returns the projections fused."""
+    call (see the module docstring; ``conds`` is its ``conds``); returns the projections
+    fused."""
     import paged_ops.linear  # noqa: F401  (registers the ops)
     import paged_ops.mlp_linear  # noqa: F401
 
@@ -156,7 +160,9 @@ def fuse_silu_mul_linears(gm: fx.GraphModule, max_out_features: int | None = Non
         product, silu, gate, up, gate_up, weight = match
         parts = gate.args[0]
         with graph.inserting_before(down):
-            call = graph.call_function(silu_mul_projection, (gate_up, weight))
+            call = graph.call_function(
+                silu_mul_projection, (gate_up, weight), {} if conds else {"conds": False}
+            )
         call.meta["example_value"] = _value(down)
         down.replace_all_uses_with(call)
         for node in (down, product, silu, gate, up, parts):  # users before what they read

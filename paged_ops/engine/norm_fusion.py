@@ -151,17 +151,21 @@ def norm_projections(
     g: torch.Tensor,  # [K] the norm's weight
     eps: float,
     *weights: torch.Tensor,  # [N_i, K] each
+    conds: bool = True,
 ) -> tuple[torch.Tensor, ...]:  # out_i [..., N_i] each, then h = a + b [..., K]
     """What the pass puts in the graph (:func:`~paged_ops.engine.fusion.cond_on_one_token`): a
     one-token step (the batch-1 graph) runs ``add_rms_norm_linear`` and every other step runs
-    the model's own add, norm and matmuls, compiled as before."""
+    the model's own add, norm and matmuls, compiled as before (``conds=False``: the op in every
+    step)."""
     one_row, more_rows = functools.partial(_one_row, eps), functools.partial(_rows, eps)
-    return cond_on_one_token(a, one_row, more_rows, (a, b, g, *weights))
+    return cond_on_one_token(a, one_row, more_rows, (a, b, g, *weights), conds)
 
 
-def fuse_norm_linears(gm: fx.GraphModule, max_out_features: int | None = None) -> int:
+def fuse_norm_linears(
+    gm: fx.GraphModule, max_out_features: int | None = None, conds: bool = True
+) -> int:
     """Replace each matched add + RMSNorm + projections by one :func:`norm_projections` call (see
-    the module docstring); returns the norms fused."""
+    the module docstring; ``conds`` is its ``conds``); returns the norms fused."""
     import paged_ops.norm_linear  # noqa: F401  (registers the op)
 
     graph = gm.graph
@@ -186,7 +190,9 @@ def fuse_norm_linears(gm: fx.GraphModule, max_out_features: int | None = None) -
             continue  # a weight made after the first projection (not seen in the models)
         a, b = h.args
         with graph.inserting_before(first):
-            call = graph.call_function(norm_projections, (a, b, g, eps, *weights))
+            call = graph.call_function(
+                norm_projections, (a, b, g, eps, *weights), {} if conds else {"conds": False}
+            )
             outs = [graph.call_function(operator.getitem, (call, i)) for i in range(len(weights))]
             h_out = graph.call_function(operator.getitem, (call, len(weights)))
         h_out.meta["example_value"] = _value(h)

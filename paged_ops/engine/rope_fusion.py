@@ -67,13 +67,14 @@ def norm_projections_rope(
     cos: torch.Tensor,  # [..., D]
     sin: torch.Tensor,  # [..., D]
     weight: torch.Tensor,  # [N, K] the stacked q/k/v weight
+    conds: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # qkv [..., N] with q and k rotated, h = a + b [..., K]
     """:func:`~paged_ops.engine.norm_fusion.norm_projections` of one stacked q/k/v weight with
     its first ``rope_cols`` columns (the q and k heads) rotated by ``cos``/``sin``, behind the
-    same :func:`~paged_ops.engine.fusion.cond_on_one_token`."""
+    same :func:`~paged_ops.engine.fusion.cond_on_one_token` (the call's ``conds`` kept)."""
     one_row = functools.partial(_one_row_rope, eps, rope_cols)
     more_rows = functools.partial(_rows_rope, eps, rope_cols)
-    return cond_on_one_token(a, one_row, more_rows, (a, b, g, cos, sin, weight))
+    return cond_on_one_token(a, one_row, more_rows, (a, b, g, cos, sin, weight), conds)
 
 
 def _sole_user(node: fx.Node) -> fx.Node | None:

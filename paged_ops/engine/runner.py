@@ -48,6 +48,7 @@ from paged_ops.engine.regions import CompiledRegions, compile_step_function, own
 from paged_ops.engine.rope_tables import RopeTables
 from paged_ops.engine.sampler import greedy_ids, host_to_device
 from paged_ops.engine.scheduler import ScheduledBatch
+from paged_ops.linear import graph_kernels
 from paged_ops.mapped_copy import mapped_copies_enabled
 from paged_ops.metadata import SequenceSlice
 from paged_ops.module import PagedAttention
@@ -187,6 +188,9 @@ class ModelRunner:
             unless asked.
         rope_in_attention: with ``small_linears``, q and k's RoPE goes into
             ``paged_ops::write_kv_and_attend`` (:mod:`paged_ops.engine.rope_fusion`).
+        fold_conds: with ``small_linears``, each fold is a ``cond`` on the step's size (True) or
+            one op that picks its kernels when it runs (False;
+            :func:`paged_ops.engine.fusion.cond_on_one_token`).
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward: the identical layers are
             served by the compile caches (:mod:`paged_ops.engine.regions`; a shorter first
@@ -220,6 +224,7 @@ class ModelRunner:
         fuse_projections: bool = True,
         small_linears: bool = False,
         rope_in_attention: bool = False,
+        fold_conds: bool = True,
         compile_regions: bool = False,
         rope_tables: bool = True,
         verify_tokens: int = 0,
@@ -278,6 +283,7 @@ class ModelRunner:
                     fuse=fuse_projections,
                     small_linears=small_linears,
                     rope_in_attention=rope_in_attention,
+                    fold_conds=fold_conds,
                     max_out_features=SMALL_LINEAR_MAX_OUT,
                     on_rerouted=_weak(self._count_rerouted),
                     on_norms_fused=_weak(self._count_norms),
@@ -297,7 +303,7 @@ class ModelRunner:
                     options = dict(cuda_graphs=cuda_graphs, fuse_projections=fuse_projections,
                                    small_linears=small_linears, rope_tables=rope_tables,
                                    rope_in_attention=rope_in_attention,
-                                   verify_tokens=verify_tokens)  # fmt: skip
+                                   fold_conds=fold_conds, verify_tokens=verify_tokens)  # fmt: skip
                     self._set_up_precompiled(precompile_dir, forward, backend, options)
             # on close(), or once a runner dropped without close() is collected
             self._evict_compiled = weakref.finalize(
@@ -684,7 +690,8 @@ class ModelRunner:
             )
         (block,) = allocator.allocate(1)  # forgets any prefix registered on it
         try:
-            return self._warm_up(block)
+            with graph_kernels():  # the kernels the graphs record compile before the captures
+                return self._warm_up(block)
         finally:
             allocator.free([block])
 
