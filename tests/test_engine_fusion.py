@@ -302,8 +302,9 @@ def test_norm_fusion_and_mlp_fusion_in_the_engine_one_token_steps_with_eager_tok
     assert counters["stats"]["unique_graphs"] == 1  # nothing traced after the warm-up
 
 
+@pytest.mark.parametrize("fold_conds", [True, False], ids=["conds", "ops"])
 def test_small_linears_with_rope_in_attention_rotate_in_the_attention_kernel_eager_tokens(
-    monkeypatch,
+    fold_conds, monkeypatch
 ):
     # (named for small_linears: the torch 2.11 leg, whose triton cannot interpret, skips those)
     # the compiled engine with small_linears and rope_in_attention on the triton backend: the
@@ -327,7 +328,7 @@ def test_small_linears_with_rope_in_attention_rotate_in_the_attention_kernel_eag
     eager = LLM(tiny_llama(seed=5), compile=False, **kwargs)
     expected = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     fused = LLM(tiny_llama(seed=5), compile=True, small_linears=True, rope_in_attention=True,
-                **kwargs)  # fmt: skip
+                fold_conds=fold_conds, **kwargs)  # fmt: skip
     assert fused.runner.num_fused_ropes == 2  # both layers, into the attention op
     calls = record_attention_calls(monkeypatch)  # per call: (rope given, kernel writes K/V)
     got = [o.token_ids for o in fused.generate(prompts, params, use_tqdm=False)]
