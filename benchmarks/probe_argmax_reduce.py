@@ -35,27 +35,11 @@ REDUCE_VARIANTS = [(1024, 4), (512, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 
 def argmax_call(logits: torch.Tensor, block: int, warps: int, stages: int, parts: int):
     """The op's launcher (``paged_ops.argmax``) with every launch choice given."""
     rows, vocab = logits.shape
-    width = -(-vocab // (parts * block)) * block
-    parts = 1 << (-(-vocab // width) - 1).bit_length()
+    width, parts = ak.split_rows(vocab, parts, block)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)  # [S]
     part_max = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)  # [S, P]
     part_idx = torch.empty(rows, parts, dtype=torch.int64, device=logits.device)  # [S, P]
-
-    def call() -> torch.Tensor:
-        if parts == 1:
-            ak.argmax_parts_kernel[(rows, 1)](
-                logits, out, out, vocab, logits.stride(0), width,
-                P=1, BLOCK=block, NUM_STAGES=stages, num_warps=warps,
-            )  # fmt: skip
-            return out
-        ak.argmax_parts_kernel[(rows, parts)](
-            logits, part_max, part_idx, vocab, logits.stride(0), width,
-            P=parts, BLOCK=block, NUM_STAGES=stages, num_warps=warps,
-        )  # fmt: skip
-        ak.argmax_combine_kernel[(rows,)](part_max, part_idx, out, P=parts, num_warps=1)
-        return out
-
-    return call
+    return lambda: ak.launch(logits, out, part_max, part_idx, width, parts, block, stages, warps)
 
 
 def reduce_call(part: torch.Tensor, out: torch.Tensor, block: int, warps: int):

@@ -56,25 +56,14 @@ def _greedy_argmax_impl(logits: torch.Tensor, parts: int | None = None) -> torch
     rows, vocab = logits.shape
     if parts is None:
         parts = num_parts(rows, num_sms_of(logits.device))
-    width = -(-vocab // (parts * BLOCK)) * BLOCK  # columns per part, a multiple of BLOCK
-    parts = -(-vocab // width)  # no part wholly past the vocabulary
-    parts = 1 << (parts - 1).bit_length()  # a power of two for the combine's tl.arange
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)  # [S]
     k = _kernels()
-    if parts == 1:
-        k.argmax_parts_kernel[(rows, 1)](
-            logits, out, out, vocab, logits.stride(0), width,
-            P=1, BLOCK=BLOCK, NUM_STAGES=NUM_STAGES, num_warps=8,
-        )  # fmt: skip
-        return out
-    part_max = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)  # [S, P]
-    part_idx = torch.empty(rows, parts, dtype=torch.int64, device=logits.device)  # [S, P]
-    k.argmax_parts_kernel[(rows, parts)](
-        logits, part_max, part_idx, vocab, logits.stride(0), width,
-        P=parts, BLOCK=BLOCK, NUM_STAGES=NUM_STAGES, num_warps=8,
-    )  # fmt: skip
-    k.argmax_combine_kernel[(rows,)](part_max, part_idx, out, P=parts, num_warps=1)
-    return out
+    width, parts = k.split_rows(vocab, parts, BLOCK)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)  # [S]
+    part_max = part_idx = None
+    if parts > 1:
+        part_max = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)  # [S, P]
+        part_idx = torch.empty(rows, parts, dtype=torch.int64, device=logits.device)  # [S, P]
+    return k.launch(logits, out, part_max, part_idx, width, parts, BLOCK, NUM_STAGES, 8)
 
 
 for _device in ("CPU", "CUDA"):

@@ -13,6 +13,7 @@ NaN counts as larger than any number (``torch.argmax``'s rule): the first NaN wi
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -79,3 +80,38 @@ def argmax_combine_kernel(
     hit = tl.where(any_nan, nan, m == top)
     first_part = tl.min(tl.where(hit, offs, P), axis=0)
     tl.store(out_ptr + row, tl.load(part_idx_ptr + row * P + first_part))
+
+
+def split_rows(vocab: int, parts: int, block: int) -> tuple[int, int]:
+    """Columns per part (a multiple of ``block``) and the part count for ``parts`` asked: no
+    part wholly past the vocabulary, and a power of two (the combine's ``tl.arange``)."""
+    width = -(-vocab // (parts * block)) * block
+    return width, 1 << (-(-vocab // width) - 1).bit_length()
+
+
+def launch(
+    logits: torch.Tensor,  # [S, V], unit stride along V
+    out: torch.Tensor,  # [S] int64
+    part_max: torch.Tensor | None,  # [S, P] float32 when P > 1
+    part_idx: torch.Tensor | None,  # [S, P] int64 when P > 1
+    width: int,  # columns per part (split_rows)
+    parts: int,  # P (split_rows)
+    block: int,
+    stages: int,
+    warps: int,
+) -> torch.Tensor:  # out
+    """The parts kernel over ``(S, P)`` programs (writing ``out`` itself when ``P == 1``), then
+    the combine; buffers given, so a caller may keep them across calls (a timing loop)."""
+    rows, vocab = logits.shape
+    if parts == 1:
+        argmax_parts_kernel[(rows, 1)](
+            logits, out, out, vocab, logits.stride(0), width,
+            P=1, BLOCK=block, NUM_STAGES=stages, num_warps=warps,
+        )  # fmt: skip
+        return out
+    argmax_parts_kernel[(rows, parts)](
+        logits, part_max, part_idx, vocab, logits.stride(0), width,
+        P=parts, BLOCK=block, NUM_STAGES=stages, num_warps=warps,
+    )  # fmt: skip
+    argmax_combine_kernel[(rows,)](part_max, part_idx, out, P=parts, num_warps=1)
+    return out
