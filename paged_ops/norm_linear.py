@@ -8,8 +8,8 @@ projections, with ``cos``/``sin`` where that projection is a stacked q/k/v whose
 rotated next. A step of one token runs one Triton kernel (the GEMV does the add and the norm:
 :mod:`paged_ops.backends.triton_norm_linear_kernels`); more tokens run the add + norm kernel,
 then ``small_linear`` (a Triton GEMV up to 16 rows, else ``F.linear``), then with ``cos``/``sin``
-one rotation kernel (:func:`paged_ops.backends.triton_rope_kernels.rotate_columns`). Without triton (or on a CPU
-without ``TRITON_INTERPRET=1``) it is the model's own math in torch. It is one opaque node for
+one rotation kernel (:func:`paged_ops.backends.triton_rope_kernels.rotate_columns`). Without
+triton (or on a CPU without ``TRITON_INTERPRET=1``) it is the model's own math in torch. It is one opaque node for
 torch.compile (fake kernel from shapes only); it records no autograd (the engine runs under
 ``inference_mode``).
 """
@@ -147,9 +147,9 @@ def _impl(
         if cos2d.stride(-1) != 1 or sin2d.stride(-1) != 1:
             cos2d, sin2d = cos2d.contiguous(), sin2d.contiguous()
         out = rope_kernels.rotate_columns(out, cos2d, sin2d, rope_cols)  # [M, N], one launch
-        cos = None
-    out = out.view(*x.shape[:-1], weight.shape[0])
-    return (out if cos is None else rotate(out, cos, sin, rope_cols)), h.view(x.shape)
+    elif cos is not None:  # heads that do not tile the projection: the torch expression
+        out = rotate(out, cos.reshape(-1, d), sin.reshape(-1, d), rope_cols)
+    return out.view(*x.shape[:-1], weight.shape[0]), h.view(x.shape)
 
 
 for _device in ("CPU", "CUDA"):

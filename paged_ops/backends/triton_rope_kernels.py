@@ -18,13 +18,12 @@ from paged_ops.backends.triton_kernels import _rope_partner
 
 @triton.jit
 def _rotate_rows(
-    src, dst, tok, stride_t, stride_h, stride_dst_t, c, s, HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROTATED: tl.constexpr = -1,
+    src, dst, tok, stride_t, stride_h, c, s, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, ROTATED: tl.constexpr = -1,
 ):  # fmt: skip
     """Token ``tok``'s ``HEADS`` rows of ``src`` rotated by ``c``/``s`` ``[BLOCK_D]`` into
-    ``dst`` (``[T, HEADS, HEAD_DIM]``, token stride ``stride_dst_t``, heads packed); with
-    ``ROTATED >= 0`` only the first ``ROTATED`` heads are rotated and the rest copied."""
+    ``dst`` (contiguous ``[T, HEADS, HEAD_DIM]``); with ``ROTATED >= 0`` only the first
+    ``ROTATED`` heads are rotated and the rest copied."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     partner, sign = _rope_partner(offs_d, HEAD_DIM)
@@ -38,7 +37,7 @@ def _rotate_rows(
     y = x * c[None, :] + (sign[None, :] * x_partner) * s[None, :]
     if ROTATED >= 0:
         y = tl.where(rotated, y, x)
-    out = dst + tok * stride_dst_t + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    out = dst + (tok * HEADS + offs_h[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(out, y.to(dst.dtype.element_ty), mask=mask)
 
 
@@ -56,8 +55,6 @@ def rotate_heads_kernel(
     stride_kh,
     stride_cos,
     stride_sin,
-    stride_q_out,  # token strides of the outputs (heads packed within a token)
-    stride_k_out,
     NUM_Q_HEADS: tl.constexpr,
     NUM_K_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -72,11 +69,11 @@ def rotate_heads_kernel(
     c = tl.load(cos_ptr + tok * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + tok * stride_sin + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     if tl.program_id(1) == 0:
-        _rotate_rows(q_ptr, q_out_ptr, tok, stride_qt, stride_qh, stride_q_out, c, s,
-                     NUM_Q_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)  # fmt: skip
+        _rotate_rows(q_ptr, q_out_ptr, tok, stride_qt, stride_qh, c, s, NUM_Q_HEADS, HEAD_DIM,
+                     BLOCK_H, BLOCK_D)  # fmt: skip
     else:
-        _rotate_rows(k_ptr, k_out_ptr, tok, stride_kt, stride_kh, stride_k_out, c, s,
-                     NUM_K_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)  # fmt: skip
+        _rotate_rows(k_ptr, k_out_ptr, tok, stride_kt, stride_kh, c, s, NUM_K_HEADS, HEAD_DIM,
+                     BLOCK_H, BLOCK_D)  # fmt: skip
 
 
 def rotate_heads(
@@ -98,8 +95,7 @@ def rotate_heads(
     k_in, k_dst = (key, k_out) if key is not None else (query, q_out)
     rotate_heads_kernel[(num_tokens, 2 if key is not None else 1)](
         query, k_in, q_out, k_dst, cos, sin, query.stride(0), query.stride(1), k_in.stride(0),
-        k_in.stride(1), cos.stride(0), sin.stride(0), q_out.stride(0), k_dst.stride(0),
-        NUM_Q_HEADS=num_q_heads,
+        k_in.stride(1), cos.stride(0), sin.stride(0), NUM_Q_HEADS=num_q_heads,
         NUM_K_HEADS=k_in.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(max(num_q_heads, k_in.shape[1])),
         BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
@@ -129,8 +125,8 @@ def rotate_columns_kernel(
     d_mask = offs_d < HEAD_DIM
     c = tl.load(cos_ptr + tok * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + tok * stride_sin + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    _rotate_rows(x_ptr, out_ptr, tok, stride_x, HEAD_DIM, HEADS * HEAD_DIM, c, s, HEADS,
-                 HEAD_DIM, BLOCK_H, BLOCK_D, ROTATED)  # fmt: skip
+    _rotate_rows(x_ptr, out_ptr, tok, stride_x, HEAD_DIM, c, s, HEADS, HEAD_DIM, BLOCK_H,
+                 BLOCK_D, ROTATED)  # fmt: skip
 
 
 def rotate_columns(
