@@ -136,9 +136,10 @@ def silu_mul_projection(
 ) -> torch.Tensor:  # [..., N]
     """What the pass puts in the graph (:func:`~paged_ops.engine.fusion.cond_on_one_token`): a
     one-token step runs ``silu_mul_linear`` and every other step the model's SiLU-mul and then
-    ``small_linear`` (``conds=False``: ``silu_mul_linear`` in every step). The operand is the whole gate/up output, split inside each branch
-    (``cond`` refuses operands that alias each other, as its two halves do); the branches return
-    a 1-tuple (Inductor's lowering of ``cond`` zips the branch outputs with the node's value)."""
+    ``small_linear`` (``conds=False``: ``silu_mul_linear`` in every step). The operand is the
+    whole gate/up output, split inside each branch (``cond`` refuses operands that alias each
+    other, as its two halves do); the branches return a 1-tuple (Inductor's lowering of ``cond``
+    zips the branch outputs with the node's value)."""
     return cond_on_one_token(gate_up, _one_row, _rows, (gate_up, weight), conds)[0]
 
 
