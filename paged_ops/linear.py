@@ -151,6 +151,23 @@ def _graph_step(x: torch.Tensor) -> bool:
     return x.is_cuda and (_graph_kernels > 0 or torch.cuda.is_current_stream_capturing())
 
 
+def project_rows(
+    x2d: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """``small_linear``'s choice of kernel for checked 2-D operands, without the op's dispatch
+    and checks: for the ops that end in a projection (``add_rms_norm_linear``,
+    ``silu_mul_linear``) at several rows, whose eager calls pay every microsecond per layer."""
+    config = _split_k_gemm_config(x2d, weight) if _graph_step(x2d) else None
+    if config is not None:
+        gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
+        return gemm.split_k_gemm(x2d, weight, bias, config=config)
+    if not _use_triton(x2d, weight):
+        return F.linear(x2d, weight, bias)
+    return _triton_kernels().small_linear(x2d, weight, bias)
+
+
 def _small_linear_impl(
     x: torch.Tensor,  # [..., K]
     weight: torch.Tensor,  # [N, K]
@@ -158,15 +175,7 @@ def _small_linear_impl(
 ) -> torch.Tensor:  # [..., N]
     _check(x, weight, bias)
     x2d = x.reshape(-1, x.shape[-1])  # [M, K]; a view when x's layout allows
-    config = _split_k_gemm_config(x2d, weight) if _graph_step(x2d) else None
-    if config is not None:
-        gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
-        out = gemm.split_k_gemm(x2d, weight, bias, config=config)  # [M, N]
-        return out.view(*x.shape[:-1], weight.shape[0])
-    if not _use_triton(x2d, weight):
-        return F.linear(x, weight, bias)
-    out = _triton_kernels().small_linear(x2d, weight, bias)  # [M, N]
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return project_rows(x2d, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 for _device in ("CPU", "CUDA"):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 # small_linear's dispatch rule: the same kernel, so the same conditions
-from paged_ops.linear import _triton_kernels, _use_triton
+from paged_ops.linear import _triton_kernels, _use_triton, project_rows
 from paged_ops.triton_dispatch import runs_kernels_on
 
 _lib = torch.library.Library("paged_ops", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
@@ -59,7 +59,7 @@ def _impl(
     if kernels is None or not runs_kernels_on(gate2d):
         return F.linear(F.silu(gate) * up, weight)
     product = kernels.silu_mul(gate2d, up.reshape(-1, width))  # [M, I], one launch
-    out = torch.ops.paged_ops.small_linear.default(product, weight, None)  # [M, N]
+    out = project_rows(product, weight)  # [M, N]; small_linear's kernel choice
     return out.view(*gate.shape[:-1], weight.shape[0])
 
 

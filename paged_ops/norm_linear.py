@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import paged_ops.linear  # noqa: F401  (registers paged_ops::small_linear)
+from paged_ops.linear import project_rows
 from paged_ops.triton_dispatch import kernel_module, runs_kernels_on
 
 _lib = torch.library.Library("paged_ops", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
@@ -140,7 +140,7 @@ def _impl(
         out, h = kernels.add_rms_norm_gemv(x2d, r2d, norm_weight, eps, weight, rope)  # [1, N]
         return out.view(*x.shape[:-1], weight.shape[0]), h.view(x.shape)
     h, y = kernels.add_rms_norm(x2d, r2d, norm_weight, eps)  # [M, K] each
-    out = torch.ops.paged_ops.small_linear.default(y, weight, None)  # [M, N]; checked above
+    out = project_rows(y, weight)  # [M, N]; small_linear's kernel choice, checked above
     if cos is not None and weight.shape[0] % d == 0 and out.stride(-1) == 1:
         rope_kernels = kernel_module("paged_ops.backends.triton_rope_kernels")
         cos2d, sin2d = cos.reshape(-1, d), sin.reshape(-1, d)  # [M, D]

@@ -29,6 +29,9 @@ import torch
 
 from paged_ops.backends import LayerSpec
 from paged_ops.backends import triton_kernels as kernels
+from paged_ops.backends.triton_launch import cdiv as _cdiv
+from paged_ops.backends.triton_launch import launcher
+from paged_ops.backends.triton_launch import next_power_of_2 as _next_power_of_2
 from paged_ops.backends.triton_rope_kernels import rotate_heads
 from paged_ops.fp8 import fp8_format, is_fp8
 
@@ -66,17 +69,6 @@ def unsupported_reason(spec: LayerSpec, device: torch.device) -> str | None:
     return None
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_power_of_2(n: int) -> int:
-    """The smallest power of two >= ``n`` (>= 1), as ``triton.next_power_of_2``, whose wrapper
-    (a ``ConstexprFunction``) costs ~1.4 us a call: ``launch_config`` runs per layer on every
-    eager step, and a warm-up plan probes it thousands of times."""
-    return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
 def _d_pad(head_dim: int) -> int:
     return max(16, _next_power_of_2(head_dim))
 
@@ -93,7 +85,7 @@ def write_kv(
     if num_tokens == 0:
         return
     fp8 = fp8_format(kv_cache.dtype)
-    kernels.write_kv_kernel[(num_tokens,)](
+    launcher(kernels.write_kv_kernel)[(num_tokens,)](
         key,
         value,
         kv_cache,
@@ -371,7 +363,7 @@ def paged_attention(
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     if out is None:
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq, D]
+        out = query.new_empty(query.shape)  # [T, Hq, D]
     if num_tokens == 0:
         return out
     fp8_cache = is_fp8(kv_cache.dtype)
@@ -477,7 +469,7 @@ def paged_attention(
         if cfg.num_segments != 1:
             raise ValueError(f"{cfg} (kernel='prefill') takes one segment")
         grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads)
-        kernels.prefill_attention_kernel[grid](
+        launcher(kernels.prefill_attention_kernel)[grid](
             out,
             query,
             cache_arg,
@@ -522,7 +514,7 @@ def paged_attention(
     blocks, head_programs = num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads // cfg.kv_heads
     heads_fastest = bool(cfg.heads_fastest) and blocks <= 65535  # (a grid's y limit)
     grid = (head_programs, blocks, nseg) if heads_fastest else (blocks, head_programs, nseg)
-    kernels.paged_attention_kernel[grid](
+    launcher(kernels.paged_attention_kernel)[grid](
         target,
         part_m,
         part_l,
@@ -574,7 +566,7 @@ def paged_attention(
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     if nseg > 1:
-        kernels.reduce_segments_kernel[(num_tokens, num_q_heads)](
+        launcher(kernels.reduce_segments_kernel)[(num_tokens, num_q_heads)](
             out,
             part_acc,
             part_m,

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_ops.backends.triton_launch import launcher
+
 
 @triton.jit
 def _is_nan(x):
@@ -104,14 +106,14 @@ def launch(
     the combine; buffers given, so a caller may keep them across calls (a timing loop)."""
     rows, vocab = logits.shape
     if parts == 1:
-        argmax_parts_kernel[(rows, 1)](
+        launcher(argmax_parts_kernel)[(rows, 1)](
             logits, out, out, vocab, logits.stride(0), width,
             P=1, BLOCK=block, NUM_STAGES=stages, num_warps=warps,
         )  # fmt: skip
         return out
-    argmax_parts_kernel[(rows, parts)](
+    launcher(argmax_parts_kernel)[(rows, parts)](
         logits, part_max, part_idx, vocab, logits.stride(0), width,
         P=parts, BLOCK=block, NUM_STAGES=stages, num_warps=warps,
     )  # fmt: skip
-    argmax_combine_kernel[(rows,)](part_max, part_idx, out, P=parts, num_warps=1)
+    launcher(argmax_combine_kernel)[(rows,)](part_max, part_idx, out, P=parts, num_warps=1)
     return out

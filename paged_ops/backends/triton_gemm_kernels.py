@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_ops.backends.triton_launch import cdiv, launcher
 from paged_ops.backends.triton_linear_kernels import split_k_reduce_kernel
 from paged_ops.triton_dispatch import num_sms_of
 
@@ -95,7 +96,7 @@ def gemm_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     """
     block_n = 128 if m > 64 else 64
     config = GemmConfig(block_n=block_n)
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, block_n)
+    tiles = cdiv(m, config.block_m) * cdiv(n, block_n)
     split = 1
     while split < 8 and tiles * split * 2 <= num_sms and k // (split * 2) >= 4 * config.block_k:
         split *= 2
@@ -121,14 +122,14 @@ def split_k_gemm(
     if config is None:
         config = gemm_config(m, n, k, num_sms_of(x.device))
     split = config.split_k
-    k_per_split = triton.cdiv(k, split * config.block_k) * config.block_k
+    k_per_split = cdiv(k, split * config.block_k) * config.block_k
     x_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)  # [M, N]
     target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     has_bias = bias is not None
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
-    split_k_gemm_kernel[grid](
+    grid = (cdiv(m, config.block_m) * cdiv(n, config.block_n), split)
+    launcher(split_k_gemm_kernel)[grid](
         x_desc, w_desc, bias if has_bias else target, target, m, n, k_per_split,
         HAS_BIAS=has_bias, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SPLIT_K=split, NUM_STAGES=config.num_stages,
@@ -136,7 +137,7 @@ def split_k_gemm(
     )  # fmt: skip
     if split > 1:
         block = 1024
-        split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+        launcher(split_k_reduce_kernel)[(cdiv(m * n, block),)](
             target, bias if has_bias else target, out, m * n, n,
             HAS_BIAS=has_bias, SPLIT_K=split, BLOCK=block, num_warps=4,
         )  # fmt: skip

@@ -39,12 +39,14 @@ with the host and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from paged_ops.backends.triton_launch import cdiv, launcher, next_power_of_2
 from paged_ops.triton_dispatch import num_sms_of
 
 SMEM_BUDGET = 128 * 1024  # bytes of pipelined stage buffers the default configs stay under
@@ -218,7 +220,7 @@ class LinearConfig:
     prefetch_k: int = 0
 
     def block_m(self, m: int) -> int:
-        return 16 if self.use_dot else triton.next_power_of_2(m)
+        return 16 if self.use_dot else next_power_of_2(m)
 
     def fma_regs(self, m: int) -> int:
         """float32 products of one tile per thread on the FMA path (> 128 spills on sm_90)."""
@@ -265,17 +267,25 @@ def linear_config(
     """
     del num_sms
     if m == 1 and n <= 32768:
-        block_k = min(1024 // dtype.itemsize, max(16, triton.next_power_of_2(k)))
+        block_k = min(1024 // dtype.itemsize, max(16, next_power_of_2(k)))
         if silu_mul:
             return LinearConfig(block_n=16, block_k=block_k, split_k=1, num_stages=4, use_dot=False)
         split = 4 if k >= 8192 else 1
         return LinearConfig(block_n=8, block_k=block_k, split_k=split, num_stages=3, use_dot=False)
     deep = k >= 8192
-    block_k = min((256 if deep else 512) // dtype.itemsize, max(16, triton.next_power_of_2(k)))
+    block_k = min((256 if deep else 512) // dtype.itemsize, max(16, next_power_of_2(k)))
     config = LinearConfig(block_n=64, block_k=block_k, split_k=4 if deep else 1, num_warps=4)
     stage_bytes = (config.block_n + config.block_m(m)) * block_k * dtype.itemsize
     stages = max(2, min(4, SMEM_BUDGET // stage_bytes))
     return replace(config, num_stages=stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_config(
+    m: int, n: int, k: int, dtype: torch.dtype, num_sms: int, silu_mul: bool
+) -> LinearConfig:
+    """:func:`linear_config`'s choice, kept per shape: eager steps launch per layer."""
+    return linear_config(m, n, k, dtype, num_sms, silu_mul=silu_mul)
 
 
 def _pdl_launch(pdl: bool) -> dict:
@@ -317,9 +327,10 @@ def _launch(
 ) -> torch.Tensor:  # [M, N], x's dtype
     m, k = x.shape
     n = weight.shape[0]
-    if config is None:
-        config = linear_config(m, n, k, x.dtype, num_sms_of(x.device), silu_mul=up is not None)
-    config.check()
+    if config is None:  # the rule's configs are valid; a caller's is checked
+        config = _default_config(m, n, k, x.dtype, num_sms_of(x.device), up is not None)
+    else:
+        config.check()
     if x.device.type != "cuda":  # the interpreter has no grid dependency control
         config = replace(config, pdl=False, prefetch_k=0)
     line = 128 // weight.element_size()
@@ -327,13 +338,13 @@ def _launch(
     block_m = config.block_m(m)
     split = config.split_k
     step = config.block_k * split
-    k_per_split = triton.cdiv(k, step) * config.block_k
-    out = torch.empty((m, n), device=x.device, dtype=x.dtype)  # [M, N]
+    k_per_split = cdiv(k, step) * config.block_k
+    out = x.new_empty((m, n))  # [M, N]
     target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     has_bias = bias is not None
-    grid = (triton.cdiv(n, config.block_n), split)
+    grid = (cdiv(n, config.block_n), split)
     up_strides = (0, 0) if up is None else up.stride()
-    small_linear_kernel[grid](
+    launcher(small_linear_kernel)[grid](
         x, x if up is None else up, weight, bias if has_bias else x, target,
         m, n, k, x.stride(0), x.stride(1), *up_strides, weight.stride(0), weight.stride(1),
         k_per_split,
@@ -345,7 +356,7 @@ def _launch(
     )  # fmt: skip
     if split > 1:
         block = 1024
-        split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+        launcher(split_k_reduce_kernel)[(cdiv(m * n, block),)](
             target, bias if has_bias else target, out, m * n, n,
             HAS_BIAS=has_bias, SPLIT_K=split, BLOCK=block, PDL=config.pdl, num_warps=4,
             **_pdl_launch(config.pdl),
@@ -380,11 +391,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [M, I] ea
     rows, width = gate.shape
     if gate.stride(-1) != 1 or up.stride(-1) != 1:
         gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)
+    out = gate.new_empty((rows, width))
     if rows == 0 or width == 0:
         return out
-    block = min(1024, triton.next_power_of_2(width))
-    silu_mul_kernel[(rows, triton.cdiv(width, block))](
+    block = min(1024, next_power_of_2(width))
+    launcher(silu_mul_kernel)[(rows, cdiv(width, block))](
         gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=block, num_warps=4
     )
     return out

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_ops.backends.triton_launch import cdiv, launcher, next_power_of_2
+
 
 @triton.jit
 def add_rms_norm_gemv_kernel(
@@ -151,12 +153,12 @@ def add_rms_norm_gemv(
     head. Shapes, dtypes and strides are the caller's to check (``paged_ops.norm_linear``)."""
     k = x.shape[1]
     n = weight.shape[0]
-    block_k = min(GEMV_TILE_BYTES // x.element_size(), triton.next_power_of_2(k))
-    out = torch.empty((1, n), device=x.device, dtype=x.dtype)  # [1, N]
-    h = torch.empty((1, k), device=x.device, dtype=x.dtype)  # [1, K]
+    block_k = min(GEMV_TILE_BYTES // x.element_size(), next_power_of_2(k))
+    out = x.new_empty((1, n))  # [1, N]
+    h = x.new_empty((1, k))  # [1, K]
     cos, sin, rope_cols = rope if rope is not None else (x, x, 0)
-    grid = (triton.cdiv(n, GEMV_BLOCK_N),)
-    add_rms_norm_gemv_kernel[grid](
+    grid = (cdiv(n, GEMV_BLOCK_N),)
+    launcher(add_rms_norm_gemv_kernel)[grid](
         x, residual, norm_weight, weight, out, h, cos, sin, n, k, weight.stride(0), eps,
         rope_cols, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         NUM_STAGES=GEMV_STAGES, ROPE=rope is not None,
@@ -182,12 +184,12 @@ def add_rms_norm(
     """``h = x + residual`` and ``y = rms_norm(h) * norm_weight`` (the model's rounding), one
     launch of one program per row."""
     m, k = x.shape
-    h = torch.empty((m, k), device=x.device, dtype=x.dtype)
-    y = torch.empty((m, k), device=x.device, dtype=x.dtype)
+    h = x.new_empty((m, k))
+    y = x.new_empty((m, k))
     if m == 0:
         return h, y
-    block_k = triton.next_power_of_2(k)
-    add_rms_norm_kernel[(m,)](
+    block_k = next_power_of_2(k)
+    launcher(add_rms_norm_kernel)[(m,)](
         x, residual, norm_weight, h, y, k, x.stride(0), residual.stride(0), eps,
         BLOCK_K=block_k, num_warps=max(1, min(16, block_k // 256)),
     )  # fmt: skip

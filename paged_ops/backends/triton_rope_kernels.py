@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from paged_ops.backends.triton_kernels import _rope_partner
+from paged_ops.backends.triton_launch import launcher, next_power_of_2
 
 
 @triton.jit
@@ -87,18 +88,18 @@ def rotate_heads(
     if query.stride(-1) != 1 or (key is not None and key.stride(-1) != 1):
         query = query.contiguous()
         key = key.contiguous() if key is not None else None
-    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device) if key is not None else None
+    q_out = query.new_empty(query.shape)
+    k_out = key.new_empty(key.shape) if key is not None else None
     if num_tokens == 0:
         return q_out, k_out
     # without a key: only programs (t, 0) run, and the key arguments are the query's
     k_in, k_dst = (key, k_out) if key is not None else (query, q_out)
-    rotate_heads_kernel[(num_tokens, 2 if key is not None else 1)](
+    launcher(rotate_heads_kernel)[(num_tokens, 2 if key is not None else 1)](
         query, k_in, q_out, k_dst, cos, sin, query.stride(0), query.stride(1), k_in.stride(0),
         k_in.stride(1), cos.stride(0), sin.stride(0), NUM_Q_HEADS=num_q_heads,
         NUM_K_HEADS=k_in.shape[1], HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(max(num_q_heads, k_in.shape[1])),
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+        BLOCK_H=next_power_of_2(max(num_q_heads, k_in.shape[1])),
+        BLOCK_D=next_power_of_2(head_dim), num_warps=4,
     )  # fmt: skip
     return q_out, k_out
 
@@ -140,12 +141,12 @@ def rotate_columns(
     (the model's two RoPE expressions would be one Inductor kernel; in torch they are seven)."""
     rows, width = x.shape
     head_dim = cos.shape[-1]
-    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    out = x.new_empty((rows, width))
     if rows == 0:
         return out
     heads = width // head_dim
-    block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
-    rotate_columns_kernel[(rows,)](
+    block_h, block_d = next_power_of_2(heads), next_power_of_2(head_dim)
+    launcher(rotate_columns_kernel)[(rows,)](
         x, out, cos, sin, x.stride(0), cos.stride(0), sin.stride(0), HEADS=heads,
         ROTATED=rope_cols // head_dim, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d <= 4096 else 8,
