@@ -300,9 +300,10 @@ class LLM:
             each fold is one op that picks its kernels when it runs (one token: the fused GEMV;
             more: one add + RMSNorm, SiLU-mul or rotation kernel of ours, then the matmul), which
             AOTAutograd and Inductor compile as one opaque node instead of two traced branches.
-            H200, 1B model (benchmarks/NOTES.md section 35): first start 28.9 vs 44.0 s, but a
-            batch-1 prefill ~3 ms longer (the ops' launches cost more host time than Inductor's
-            code), so True by default.
+            H200, 1B model (benchmarks/NOTES.md sections 35-36): first start 28.9 vs 44.0 s
+            (33.1 vs 48.1 s on another lease), but a batch-1 prefill ~1 ms longer (the ops'
+            launches cost more host time than Inductor's code; ~3 ms before the cached launch
+            path of section 36), so True by default.
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward; identical layers are served
             by Inductor's and AOTAutograd's caches, so the first start compiles one layer's
