@@ -14,6 +14,8 @@ import torch
 from paged_ops.backends import triton_launch
 from paged_ops.backends.triton_launch import Launcher, arg_key
 
+REAL_CUDA_TENSOR_CHECK = triton_launch._cuda_tensor
+
 
 class Param:
     def __init__(self, name: str, default=inspect.Parameter.empty) -> None:  # noqa: ANN001
@@ -48,6 +50,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     monkeypatch.setattr(triton_launch, "_launch_hooks", lambda: None)
+    monkeypatch.setattr(triton_launch, "_cuda_tensor", lambda v: isinstance(v, torch.Tensor))
 
 
 def kernel_with_constexprs() -> StubKernel:
@@ -154,6 +157,17 @@ def test_interpreter_hooks_switch_and_odd_arguments_always_take_tritons_path(
         odd[(1,)](x, 64, 0.5, BLOCK=[32])  # an unhashable keyword
         odd[(1,)](x, 64, 0.5, BLOCK=torch.ones(1))  # a tensor keyword: never cached
     assert len(kernel.triton_launches) == 6 and not kernel.direct_launches
+
+
+def test_launches_on_cpu_tensors_take_tritons_path(fake_cuda, monkeypatch) -> None:
+    # a CPU build of torch, or the variant prebuild's stand-in driver (tests/prebuild_probe.py)
+    monkeypatch.setattr(triton_launch, "_cuda_tensor", REAL_CUDA_TENSOR_CHECK)
+    kernel = kernel_with_constexprs()
+    launch = Launcher(kernel)
+    for _ in range(2):
+        launch[(1,)](torch.zeros(64), 64, 0.5, BLOCK=32)
+        launch[(1,)](64, torch.zeros(64), 0.5, BLOCK=32)  # no tensor first
+    assert len(kernel.triton_launches) == 4 and not kernel.direct_launches
 
 
 def test_a_parameter_the_call_does_not_fill_keeps_tritons_path(fake_cuda) -> None:

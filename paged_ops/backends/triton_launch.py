@@ -13,7 +13,8 @@ never coarser than Triton's own: a key that differs where Triton's would not onl
 slow launch), the compiled kernel that Triton's first launch returned, and calls its launcher
 (``CompiledKernel.run``, the call ``JITFunction.run`` itself makes) on the next launches. The first
 launch of every key goes through ``kernel[grid]`` (compile, autotuned options, errors as Triton
-raises them); so does every launch under the interpreter (``TRITON_INTERPRET=1``), while a
+raises them); so does every launch whose first argument is not a CUDA tensor (a CPU build of
+torch, a stand-in driver), every launch under the interpreter (``TRITON_INTERPRET=1``), while a
 launch hook (a profiler such as Proton) is set, and with ``PAGED_OPS_FAST_LAUNCH=0`` (or
 :data:`ENABLED` set False) for A/B runs.
 """
@@ -50,6 +51,12 @@ def arg_key(value: Any) -> Any:
     if kind is float or kind is bool or value is None:
         return kind
     return NotImplemented
+
+
+def _cuda_tensor(value: Any) -> bool:
+    """Whether ``value`` (a launch's first argument) is a CUDA tensor: the launches this path
+    serves."""
+    return type(value) in _TENSOR_TYPES and value.is_cuda
 
 
 def _hooks_idle(runtime: Any) -> bool:
@@ -101,7 +108,13 @@ class Launcher:
 
     def launch(self, grid: Sequence[int], args: tuple, kwargs: dict[str, Any]) -> None:
         """Launch on ``grid`` with positional ``args`` and keyword ``kwargs``."""
-        if not ENABLED or self._interpreted or callable(grid) or not _hooks_idle(self._hooks):
+        if (
+            not ENABLED
+            or self._interpreted
+            or not (args and _cuda_tensor(args[0]))  # CUDA launches only
+            or callable(grid)
+            or not _hooks_idle(self._hooks)
+        ):
             self.kernel[grid](*args, **kwargs)
             return
         device = torch._C._cuda_getDevice()
