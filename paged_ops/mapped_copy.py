@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from paged_ops.backends.triton_launch import launcher
+from paged_ops.backends.triton_launch import cdiv, launcher
 from paged_ops.triton_dispatch import kernel_module
 
 BLOCK = 1024  # words per program
@@ -79,7 +79,7 @@ def copy_pinned(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
         return
     words = nbytes // 4
-    grid = (-(-words // BLOCK),)
+    grid = (cdiv(words, BLOCK),)
     with torch.cuda.device(device):
         launcher(_kernels().copy_words_kernel)[grid](
             src.reshape(-1).view(torch.uint8).view(torch.int32),  # [words]

@@ -33,24 +33,30 @@ _SIMPLE_KEYWORD_TYPES = (int, float, bool, str, type(None))
 ENABLED = os.environ.get("PAGED_OPS_FAST_LAUNCH", "1") != "0"  # False: every launch is Triton's
 
 
+def specialisation_key(args: Sequence[Any]) -> tuple:
+    """What Triton's launch specialises on for each of ``args``, as a hashable key: a tensor's
+    dtype and whether its data pointer is 16-byte aligned; an integer's width class and whether
+    it is 1 or a multiple of 16; the type of a float, bool or None; ``NotImplemented`` for
+    anything else (the launch then takes Triton's own path). One loop (it is the cached path's
+    main cost), not a call per argument."""
+    key = []
+    append = key.append
+    for a in args:
+        kind = type(a)
+        if kind is int:
+            append((a == 1, not a & 15, _I32_MIN <= a <= _I32_MAX, a <= _I64_MAX))
+        elif kind in _TENSOR_TYPES or isinstance(a, torch.Tensor):
+            append((a.dtype, not a.data_ptr() & 15))
+        elif kind is float or kind is bool or a is None:
+            append(kind)
+        else:
+            append(NotImplemented)
+    return tuple(key)
+
+
 def arg_key(value: Any) -> Any:
-    """What Triton's launch specialises on for one argument, as a hashable key: a tensor's dtype
-    and whether its data pointer is 16-byte aligned; an integer's width class and whether it is 1
-    or a multiple of 16; the type of a float, bool or None. ``NotImplemented`` for anything else
-    (the launch then takes Triton's own path)."""
-    kind = type(value)
-    if kind in _TENSOR_TYPES or isinstance(value, torch.Tensor):
-        return value.dtype, not value.data_ptr() & 15
-    if kind is int:
-        return (
-            value == 1,
-            not value & 15,
-            _I32_MIN <= value <= _I32_MAX,
-            value <= _I64_MAX,
-        )
-    if kind is float or kind is bool or value is None:
-        return kind
-    return NotImplemented
+    """:func:`specialisation_key` of one argument."""
+    return specialisation_key((value,))[0]
 
 
 def _cuda_tensor(value: Any) -> bool:
@@ -118,18 +124,7 @@ class Launcher:
             self.kernel[grid](*args, **kwargs)
             return
         device = torch._C._cuda_getDevice()
-        # the key: arg_key of every argument, inlined (this loop is the path's main cost)
-        key = [device, tuple(kwargs.items())]
-        append = key.append
-        for a in args:
-            kind = type(a)
-            if kind is int:
-                append((a == 1, not a & 15, _I32_MIN <= a <= _I32_MAX, a <= _I64_MAX))
-            elif kind in _TENSOR_TYPES:
-                append((a.dtype, not a.data_ptr() & 15))
-            else:
-                append(arg_key(a))
-        key = tuple(key)
+        key = (device, tuple(kwargs.items()), specialisation_key(args))
         try:
             entry = self._compiled.get(key)
         except TypeError:  # an unhashable keyword value: Triton's path, uncached
@@ -137,7 +132,7 @@ class Launcher:
             return
         if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)
-            if NotImplemented not in key:
+            if NotImplemented not in key[2]:
                 entry = self._entry(compiled, len(args), kwargs)
                 if entry is not None:
                     self._compiled[key] = entry
