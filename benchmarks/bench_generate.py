@@ -215,6 +215,8 @@ def run_paged_ops(cfg, batches, prompt_len, new_tokens, args, kv_cache_dtype: st
                          num_blocks=cache.num_blocks, kv_cache_dtype=kv_cache_dtype,
                          kv_dtype=str(cache.dtype).removeprefix("torch."), kv_cache_gib=kv_gib,
                          calculate_kv_scales=bool(llm.pa.calculate_kv_scales),
+                         prefill_graphs=[t for t, _ in llm.runner.prefill_steps],
+                         prefill_graph_replays=llm.runner.num_prefill_replays,
                          warmup_breakdown=llm.warmup_breakdown))  # fmt: skip
         print(f"  b={b} x {prompt_len}: {n / dt:,.0f} tok/s (first call {n / dt_first:,.0f}; {m.num_steps} steps, {m.num_decode_steps} decode, "
               f"{m.num_overlapped_steps} overlapped, TTFT {m.mean_time_to_first_token_s * 1e3:.0f} "

@@ -133,6 +133,55 @@ def test_chosen_graph_sizes_pad_to_the_next_and_larger_batches_run_without_a_gra
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize(
+    ("dtype", "tol", "kwargs", "sizes"),
+    [
+        # chosen sizes, 4 seats: prompts wait and join steps queued ahead (mixed steps)
+        (torch.float32, 1e-3, dict(max_num_seqs=4, prefill_graph_tokens=(16, 64, 128)),
+         [16, 64, 128]),
+        # the default above 64 sequences (eight decode graphs already)
+        (torch.bfloat16, 0.15, dict(max_num_seqs=72), [32, 64, 128, 256, 512]),
+    ],
+)  # fmt: skip
+def test_prefill_and_mixed_steps_replayed_from_prefill_graphs_match_hf_greedy(
+    dtype, tol, kwargs, sizes
+):
+    torch._dynamo.reset()
+    ref = small_llama(dtype)
+    llm = LLM(copy.deepcopy(ref), max_model_len=256, gpu_memory_utilization=0.5, **kwargs)
+    assert sorted(llm.runner._prefill_graphs) == sizes
+    counted = {}
+    for size, (graph, outputs) in list(llm.runner._prefill_graphs.items()):
+        counted[size] = _CountedGraph(graph)
+        llm.runner._prefill_graphs[size] = (counted[size], outputs)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (9, 40, 100, 3, 60, 17)]
+    params = SamplingParams(max_new_tokens=16)
+    for prompt in prompts:  # alone: the prompt's step replays the smallest graph that holds it
+        before = {size: c.replays for size, c in counted.items()}
+        (out,) = llm.generate([prompt], params)
+        fits = next(size for size in sizes if size >= len(prompt))
+        assert {s: c.replays - before[s] for s, c in counted.items()} == {
+            s: int(s == fits) for s in counted
+        }
+        assert_greedy_agrees(ref, prompt, out.token_ids, tol)
+    # together, other prompts (the prefix cache would serve the first ones); on 4 seats the
+    # waiting prompts join steps queued ahead (mixed steps)
+    others = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (9, 40, 100, 3, 60, 17)]
+    before = sum(c.replays for c in counted.values())
+    outs = llm.generate(others, params)
+    assert sum(c.replays for c in counted.values()) > before
+    if kwargs["max_num_seqs"] == 4:
+        assert llm.last_metrics.num_mixed_ahead_steps > 0
+    for prompt, out in zip(others, outs, strict=True):
+        assert_greedy_agrees(ref, prompt, out.token_ids, tol)
+    llm.close()
+    del llm
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def test_engine_on_flashinfer_matches_hf_greedy():
     pytest.importorskip("flashinfer")
     torch._dynamo.reset()

@@ -103,6 +103,22 @@ def check_graph_sizes(
     return tuple(chosen)
 
 
+def check_prefill_graph_tokens(tokens: Any, cuda_graphs: bool) -> tuple[int, ...] | None:
+    """``LLM(prefill_graph_tokens=...)`` as ascending distinct ints (``None`` stays ``None``,
+    an empty sequence turns the prefill graphs off): ints >= 3, and a non-empty one only with
+    ``cuda_graphs`` (the runner checks them against ``max_num_tokens``)."""
+    if tokens is None:
+        return None
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise TypeError(
+            f"prefill_graph_tokens must be a sequence of token counts (ints), got "
+            f"{type(tokens).__name__} {tokens!r}"
+        )
+    if tokens and not cuda_graphs:
+        raise ValueError(f"prefill_graph_tokens={list(tokens)} needs cuda_graphs=True")
+    return tuple(sorted({as_int("prefill_graph_tokens[i]", v, 3) for v in tokens}))
+
+
 def on_cuda(model: nn.Module) -> bool:
     """Whether ``model``'s parameters live on a CUDA device."""
     param = next(model.parameters(), None)

@@ -27,6 +27,7 @@ from paged_ops.engine.inputs import (
     check_graph_sizes,
     check_llm_args,
     check_model,
+    check_prefill_graph_tokens,
     check_sampling,
     check_stop_ids,
     default_compile,
@@ -265,6 +266,15 @@ class LLM:
             full batches may run faster with e.g. ``(1, 64, max_num_seqs)`` (256 sequences:
             batch 1 +4%, 256 +2%), at the price of padding the batches between (96: -13%;
             benchmarks/NOTES.md section 30).
+        prefill_graph_tokens: the token counts of the prefill CUDA graphs: a step that is not a
+            decode step (a prompt or its chunk, with decode rows beside it or not) of at most
+            ``T`` tokens over at most 8 sequences is padded to the smallest such graph and
+            replayed instead of launched from Python (``()``: none). Default (None): 32, 64,
+            128, 256 and 512 (up to ``max_num_tokens``) for a compiled model whose decode graphs
+            number more than three (above 64 sequences by default); none otherwise, since a
+            fourth capture slows every graph's launches (above). A batch-1 prompt's step is
+            ~10x host-bound launched from Python (H200, 1B model: ~1.3 ms of kernels, 9-15 ms of
+            host time; benchmarks/NOTES.md sections 36-37).
         prefix_caching: share KV blocks of common prompt prefixes.
         max_num_tokens: token budget of one step (chunked prefill); default
             ``max(2048, max_num_seqs)``. Applies when the LLM patches the model itself.
@@ -399,6 +409,7 @@ class LLM:
         cache_dir: str | os.PathLike[str] | bool | None = None,
         speculative: SpeculativeConfig | None = None,
         cuda_graph_sizes: Sequence[int] | None = None,
+        prefill_graph_tokens: Sequence[int] | None = None,
     ) -> None:
         check_model(model)
         flags = dict(
@@ -434,6 +445,7 @@ class LLM:
                     **flags,
                     speculative=repr(speculative),
                     cuda_graph_sizes=repr(cuda_graph_sizes),
+                    prefill_graph_tokens=repr(prefill_graph_tokens),
                 ),  # fmt: skip
             )
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
@@ -447,6 +459,7 @@ class LLM:
         self._graph_sizes = check_graph_sizes(
             cuda_graph_sizes, sizes.get("max_num_seqs"), cuda_graphs
         )
+        self._prefill_graph_tokens = check_prefill_graph_tokens(prefill_graph_tokens, cuda_graphs)
         if compile is None:
             flags["compile"] = default_compile(model)
         if small_linears is None:
@@ -536,6 +549,7 @@ class LLM:
             precompile_dir=self._precompile_dir,
             precompile_quiet=self._precompile_quiet,
             cuda_graph_sizes=self._graph_sizes,
+            prefill_graph_tokens=self._prefill_graph_tokens,
         )
         self.spec: Speculator | None = None
         if spec is not None:

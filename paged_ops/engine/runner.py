@@ -7,6 +7,12 @@ Two paths:
   memory pool. Their inputs are static: ``input_ids`` is a persistent buffer, and the metadata
   tensors (positions, slot mapping, block table, ...) are views of the builder's persistent buffers,
   refilled by ``prepare_slices`` before each replay.
+- **Graphed prefill** (CUDA, ``prefill_graph_tokens``; by default only where the decode graphs
+  already number more than three): a prefill or mixed step of at most ``T`` tokens over at most
+  ``S`` sequences is padded to the smallest prefill graph ``(T, S)`` that holds it (padding tokens
+  belong to no sequence: their K/V are not written, their rows attend to nothing) and that graph is
+  replayed. Launched from Python, a batch-1 prompt's step is ~10x host-bound (H200, 1B model:
+  ~1.3 ms of kernels in 9-15 ms of host time).
 - **Eager/compiled** (prefill, mixed and large batches, CPU): the model forward, compiled once with
   ``torch.compile(fullgraph=True)`` when ``compile=True``, with the token count T and sequence count
   S marked dynamic on every tensor that carries them (model constants such as the attention scale
@@ -103,6 +109,44 @@ def graph_buckets(max_num_seqs: int, sizes: Sequence[int] | None = None) -> list
     fine = [b for b in (1, 2, 4, 8, 16) if b < max_num_seqs]
     fine += list(range(32, max_num_seqs, 32))
     return sorted(set(fine + [max_num_seqs]))
+
+
+PREFILL_GRAPH_TOKENS = (32, 64, 128, 256, 512)  # default prefill graph sizes (tokens)
+PREFILL_GRAPH_MAX_SEQS = 8  # sequences a prefill graph holds at most
+FAST_MODE_GRAPHS = (
+    3  # graphs a process captures before all its graphs launch slower (graph_buckets)
+)
+
+
+def prefill_graph_steps(
+    max_num_seqs: int,
+    max_num_tokens: int,
+    other_graphs: int,
+    tokens: Sequence[int] | None = None,
+) -> list[tuple[int, int]]:
+    """``(T, S)`` of the prefill graphs, ascending: a step that is not a decode step, of at most
+    ``T`` tokens over at most ``S`` sequences, replays the smallest that holds it, padded to it.
+
+    ``tokens``: the token counts (each in ``[3, max_num_tokens]``); ``()`` none; None the default,
+    :data:`PREFILL_GRAPH_TOKENS` up to ``max_num_tokens``, but only where the runner's other
+    graphs (``other_graphs``: decode and verify) already number more than
+    :data:`FAST_MODE_GRAPHS`: a fourth capture slows every graph of the process (NOTES.md
+    section 28), so an LLM of three graphs keeps its fast decode graphs and its eager prefill.
+    Each graph holds ``S = min(max_num_seqs, PREFILL_GRAPH_MAX_SEQS, (T - 1) // 2)`` sequences:
+    ``T > 2 S`` keeps the attention's launch one for prefill and mixed steps (its decode launch
+    assumes one query block per sequence, which a padded prefill step breaks).
+    """
+    if tokens is None:
+        if other_graphs <= FAST_MODE_GRAPHS:
+            return []
+        tokens = [t for t in PREFILL_GRAPH_TOKENS if t <= max_num_tokens]
+    chosen = sorted(set(tokens))
+    if chosen and (chosen[0] < 3 or chosen[-1] > max_num_tokens):
+        raise ValueError(
+            f"prefill_graph_tokens must be token counts in [3, max_num_tokens={max_num_tokens}], "
+            f"got {list(tokens)}"
+        )
+    return [(t, min(max_num_seqs, PREFILL_GRAPH_MAX_SEQS, (t - 1) // 2)) for t in chosen]
 
 
 def warm_up_shapes(max_num_seqs: int, max_num_tokens: int, on_gpu: bool) -> list[tuple[int, int]]:
@@ -212,6 +256,12 @@ class ModelRunner:
         cuda_graph_sizes: with ``cuda_graphs``, the decode batch sizes that get a graph (each in
             ``[1, max_num_seqs]``); None: :func:`graph_buckets`' default. A decode step of more
             sequences than the largest runs the compiled forward without a graph.
+        prefill_graph_tokens: with ``cuda_graphs``, the token counts of the prefill graphs (steps
+            that are not decode steps: prompts, prompt chunks, mixed steps, of up to
+            ``PREFILL_GRAPH_MAX_SEQS`` sequences; :func:`prefill_graph_steps`); ``()`` none;
+            None the default, on for a compiled forward whose decode graphs number more than
+            three. A prefill step of a batch-1 request is ~10x host-bound when launched from
+            Python (H200, 1B model: ~1.3 ms of kernels in 9-15 ms; NOTES.md section 36).
     """
 
     def __init__(
@@ -232,6 +282,7 @@ class ModelRunner:
         precompile_dir: Path | None = None,
         precompile_quiet: bool = False,
         cuda_graph_sizes: Sequence[int] | None = None,
+        prefill_graph_tokens: Sequence[int] | None = None,
     ) -> None:
         self.model, self.pa = model, pa
         self.device = pa.kv_cache.device
@@ -330,6 +381,22 @@ class ModelRunner:
             int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]
         ] = {}
         self.num_verify_replays = 0  # verify steps served by a verify graph
+        # (T, S) of each prefill graph, ascending (prefill and mixed steps padded to one of them)
+        self.prefill_steps: list[tuple[int, int]] = []
+        if self.use_graphs and (prefill_graph_tokens is not None or compile):
+            steps = prefill_graph_steps(
+                self.max_num_seqs,
+                self.max_num_tokens,
+                len(self.buckets) + len(self.verify_buckets),
+                prefill_graph_tokens,
+            )
+            if steps and self._prefill_graph_safe():
+                self.prefill_steps = steps
+        # T -> graph of a prefill step padded to (T, S): logits [S, V], greedy ids [S]
+        self._prefill_graphs: dict[
+            int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]
+        ] = {}
+        self.num_prefill_replays = 0  # prefill and mixed steps served by a prefill graph
         self.warmup_breakdown: dict[str, Any] = {}  # filled by warm_up
 
     def _set_up_precompiled(
@@ -445,6 +512,23 @@ class ModelRunner:
 
         return not any(is_planned(name) for name, _ in self.pa.routing.routes(kind))
 
+    def _prefill_graph_safe(self) -> bool:
+        """Whether one captured prefill graph serves both prefill and mixed steps: every layer
+        takes the same unplanned backend for both kinds."""
+        routing = self.pa.routing
+        return (
+            self._graph_safe("prefill")
+            and self._graph_safe("mixed")
+            and routing.routes("prefill") == routing.routes("mixed")
+        )
+
+    def _prefill_step(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
+        """The smallest prefill graph's ``(T, S)`` that holds a step of that size, or None."""
+        for tokens, seqs in self.prefill_steps:
+            if num_tokens <= tokens and num_seqs <= seqs:
+                return tokens, seqs
+        return None
+
     def _call(
         self, num_tokens: int, logit_rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -527,6 +611,13 @@ class ModelRunner:
             graph, (logits, greedy) = self._graphs[bucket]
             graph.replay()
             return logits[:num_seqs], greedy[:num_seqs]
+        padded = None if batch.is_decode else self._prefill_step(batch.num_tokens, num_seqs)
+        if padded is not None:  # a prefill or mixed step that a prefill graph holds
+            self._set_inputs(batch, fed_from, *padded)
+            graph, (logits, greedy) = self._prefill_graphs[padded[0]]
+            graph.replay()
+            self.num_prefill_replays += 1
+            return logits[:num_seqs], greedy[:num_seqs]
         self._set_inputs(batch, fed_from, batch.num_tokens, num_seqs)
         logits, greedy = self._call(batch.num_tokens)
         return logits[:num_seqs], greedy[:num_seqs]
@@ -556,7 +647,9 @@ class ModelRunner:
         A runner that is only dropped (no ``close``) releases the same once it is collected."""
         self._graphs.clear()
         self._verify_graphs.clear()
+        self._prefill_graphs.clear()
         self.use_graphs, self.buckets, self.verify_buckets = False, [], []
+        self.prefill_steps = []
         self._forward = self._closed_forward
         self._precompiled = self._precompile_source = self.precompiled_path = None
         if self._compiled:
@@ -588,10 +681,11 @@ class ModelRunner:
         return list(distinct.values())
 
     def _graph_steps(self) -> list[tuple[int, int]]:
-        """``(T, S)`` of the steps the CUDA graphs capture: decode buckets, then verify buckets
-        (``k + 1`` tokens per sequence)."""
+        """``(T, S)`` of the steps the CUDA graphs capture: decode buckets, verify buckets
+        (``k + 1`` tokens per sequence), then prefill graphs."""
         k = self.verify_tokens
-        return [(b, b) for b in self.buckets] + [(b * (k + 1), b) for b in self.verify_buckets]
+        steps = [(b, b) for b in self.buckets] + [(b * (k + 1), b) for b in self.verify_buckets]
+        return steps + list(self.prefill_steps)
 
     def _warm_up_shapes(self) -> list[tuple[int, int]]:
         """``(T, S)`` steps that the warm-up runs, in order, each once: the fixed list, then on a
@@ -677,7 +771,8 @@ class ModelRunner:
             graph cache; eager without ``compile``), ``shapes_s`` the other ``num_shapes - 1``
             warm-up steps (kernel variants JIT-built or loaded from Triton's cache),
             ``graph_warmup_s`` the runs before captures, ``capture_s`` the ``num_graphs``
-            captures, ``capture_each_s`` each bucket's run + capture; on a GPU first compile,
+            captures, ``capture_each_s`` each graph's run + capture (decode buckets by batch
+            size, ``verify{b}``, ``prefill{T}``); on a GPU first compile,
             ``prebuilt`` the triton variants a child process built beside it and
             ``prebuild_wait_s`` the wait for that process after the first step
             (:mod:`paged_ops.engine.variant_prebuild`).
@@ -741,36 +836,43 @@ class ModelRunner:
         # Captures run one after another: torch captures one graph per stream at a time, and every
         # bucket's capture arms the same PagedAttention step state (metadata buffers, plans).
         # Largest first: later graphs reuse its pool. Verify graphs (k + 1 tokens per sequence,
-        # logits at each) share the pool too.
+        # logits at each) and prefill graphs share the pool too.
         k = self.verify_tokens
-        plan = [(b, 1, self._graphs) for b in reversed(self.buckets)]
-        plan += [(b, k + 1, self._verify_graphs) for b in reversed(self.verify_buckets)]
+        # (name in capture_each_s, T, S, graphs, key)
+        plan: list[tuple[int | str, int, int, dict, int]] = [
+            (b, b, b, self._graphs, b) for b in reversed(self.buckets)
+        ]
+        plan += [
+            (f"verify{b}", b * (k + 1), b, self._verify_graphs, b)
+            for b in reversed(self.verify_buckets)
+        ]
+        plan += [
+            (f"prefill{t}", t, s, self._prefill_graphs, t) for t, s in reversed(self.prefill_steps)
+        ]
         pool = None
-        for bucket, per_seq, graphs in plan:
+        for name, tokens, seqs, graphs, key in plan:
             t0 = time.perf_counter()
-            tokens = bucket * per_seq
-            blocks = [block] * -(-per_seq // self.pa.block_size)
-            slices = [SequenceSlice(blocks, 0, per_seq)] * bucket
-            rows = None if per_seq == 1 else self.logit_rows[:tokens]
-            if (tokens, bucket) not in shapes or per_seq > 1:
-                # Run the step once outside the capture: kernel variants of this bucket (its
-                # KV split, Triton's integer specialisations) compile and Inductor's kernels
-                # autotune here, never inside the capture. A decode bucket whose exact step (one
-                # new token per sequence, one block) was among the warm-up shapes has met them.
-                self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=bucket)
-                self._load_ids([0] * tokens, tokens)
+            slices = warm_up_slices(block, tokens, seqs, self.pa)
+            verify = graphs is self._verify_graphs
+            rows = self.logit_rows[:tokens] if verify else None
+            if (tokens, seqs) not in shapes or verify:
+                # Run the step once outside the capture: kernel variants of this graph (its KV
+                # split, Triton's integer specialisations) compile and Inductor's kernels
+                # autotune here, never inside the capture. A graph whose exact step (the same
+                # slices, all on one block) was among the warm-up shapes has met them.
+                self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
+                self._load_ids([0] * sum(s.num_new_tokens for s in slices), tokens)
                 self._call(tokens, rows)
                 times["graph_warmup_s"] += self._elapsed(t0)
             t1 = time.perf_counter()
             # a forward consumes its prepared step: the captured one gets its own, as each replay
-            self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=bucket)
+            self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 outputs = self._call(tokens, rows)  # logits [rows, V], greedy ids [rows]
             pool = graph.pool()
-            graphs[bucket] = (graph, outputs)
+            graphs[key] = (graph, outputs)
             times["capture_s"] += self._elapsed(t1)
-            name = bucket if per_seq == 1 else f"verify{bucket}"
             times["capture_each_s"][name] = round(self._elapsed(t0), 4)
             times["num_graphs"] += 1
         return times

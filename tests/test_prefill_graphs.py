@@ -1,0 +1,115 @@
+"""Prefill graphs (``LLM(prefill_graph_tokens=...)``): which steps they hold, the argument checks,
+and on the CPU the padded step a graph replays, run by a stand-in whose ``replay`` calls the
+forward on the step as the runner prepared it (padded to the graph's ``(T, S)``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from paged_ops import LLM, SamplingParams
+from paged_ops.engine import runner
+from paged_ops.engine.runner import FAST_MODE_GRAPHS, prefill_graph_steps
+
+transformers = pytest.importorskip("transformers")
+
+from engine_models import VOCAB, prompts_of, tiny_llama  # noqa: E402
+
+
+def test_default_prefill_graphs_only_where_the_decode_graphs_are_already_past_three():
+    # three graphs or fewer: a fourth capture would slow them all (NOTES section 28)
+    assert prefill_graph_steps(64, 2048, FAST_MODE_GRAPHS) == []
+    assert prefill_graph_steps(256, 4096, 13) == [(32, 8), (64, 8), (128, 8), (256, 8), (512, 8)]
+    # no graph larger than a step can be; never more sequences than the LLM has seats
+    assert prefill_graph_steps(2, 100, 4) == [(32, 2), (64, 2)]
+    # chosen sizes (any graph count): sorted, distinct; T > 2 S keeps the prefill launch
+    assert prefill_graph_steps(64, 2048, 3, [64, 3, 8, 64]) == [(3, 1), (8, 3), (64, 8)]
+    assert prefill_graph_steps(64, 2048, 13, ()) == []
+    for t, s in prefill_graph_steps(256, 4096, 0, range(3, 600)):
+        assert 1 <= s <= runner.PREFILL_GRAPH_MAX_SEQS and t > 2 * s
+    for bad in ([2, 64], [64, 5000]):
+        with pytest.raises(ValueError, match=r"in \[3, max_num_tokens=4096\], got"):
+            prefill_graph_steps(256, 4096, 13, bad)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "error", "match"),
+    [
+        ("64", TypeError, "prefill_graph_tokens must be a sequence of token counts"),
+        (64, TypeError, "prefill_graph_tokens must be a sequence of token counts"),
+        ([64, 2.0], TypeError, r"prefill_graph_tokens\[i\] must be an int, got float"),
+        ([64, 2], ValueError, r"prefill_graph_tokens\[i\] must be >= 3, got 2"),
+    ],
+)
+def test_bad_prefill_graph_tokens_are_refused_before_any_work(tokens, error, match):
+    model = tiny_llama()
+    with pytest.raises(error, match=match):
+        LLM(model, backend="reference", compile=False, prefill_graph_tokens=tokens)
+    with pytest.raises(ValueError, match=r"prefill_graph_tokens=\[64\] needs cuda_graphs=True"):
+        LLM(model, backend="reference", compile=False, cuda_graphs=False,
+            prefill_graph_tokens=[64])  # fmt: skip
+    assert not hasattr(model, "paged_attention")  # the model was not touched
+
+
+class _ForwardOnReplay:
+    """A CUDA graph's stand-in: ``replay()`` runs the runner's forward on the prepared step of
+    ``tokens`` tokens and writes the static outputs, as a captured graph's replay would."""
+
+    def __init__(self, owner: runner.ModelRunner, tokens: int, seqs: int) -> None:
+        self.owner, self.tokens = owner, tokens
+        self.outputs = (torch.full((seqs, VOCAB), float("nan")), torch.full((seqs,), -1))
+        self.replays = 0
+
+    def replay(self) -> None:
+        logits, greedy = self.owner._call(self.tokens)  # [S, V], [S]: the padded step's rows
+        self.outputs[0].copy_(logits)
+        self.outputs[1].copy_(greedy)
+        self.replays += 1
+
+
+def _with_stand_in_prefill_graphs(llm: LLM, tokens: list[int]) -> dict[int, _ForwardOnReplay]:
+    run = llm.runner
+    run.prefill_steps = prefill_graph_steps(run.max_num_seqs, run.max_num_tokens, 0, tokens)
+    stand_ins = {t: _ForwardOnReplay(run, t, s) for t, s in run.prefill_steps}
+    run._prefill_graphs = {t: (g, g.outputs) for t, g in stand_ins.items()}
+    return stand_ins
+
+
+def test_steps_padded_to_a_prefill_graph_give_the_tokens_and_logprobs_of_exact_steps():
+    """Prompts alone, together, chunked and admitted beside decode rows in steps queued ahead
+    (mixed steps), each padded to the smallest stand-in graph that holds it: the padding tokens
+    (no sequence, no K/V slot) and padding sequences change no real row's logits."""
+    model = tiny_llama()
+    prompts = prompts_of([1, 9, 23, 5, 30, 3, 14], seed=4)
+    others = prompts_of([12, 2, 27, 6, 33, 4, 17], seed=5)
+    params = [SamplingParams(max_new_tokens=n, logprobs=2) for n in (6, 3, 9, 4, 7, 5, 8)]
+    results = []
+    for graphs in (None, [8, 16, 40]):
+        llm = LLM(copy.deepcopy(model), backend="reference", compile=False, block_size=4,
+                  max_num_seqs=3, max_model_len=48, num_blocks=64, max_num_tokens=40)  # fmt: skip
+        stand_ins = _with_stand_in_prefill_graphs(llm, graphs) if graphs else {}
+        outs = [
+            llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params, strict=True)
+        ]
+        # other prompts (no prefix cache hits) on 3 seats: requests join steps queued ahead
+        outs += llm.generate(others, params, use_tqdm=False)
+        assert llm.last_metrics.num_mixed_ahead_steps > 0
+        replays = llm.runner.num_prefill_replays
+        assert replays == sum(g.replays for g in stand_ins.values())
+        if graphs:  # every graph served steps; steps larger than 40 tokens ran as they were
+            assert all(g.replays > 0 for g in stand_ins.values()), {
+                t: g.replays for t, g in stand_ins.items()
+            }
+        else:
+            assert replays == 0
+        samples = [o.outputs[0] for o in outs]
+        results.append(
+            [(s.token_ids, [(lp.token_id, lp.logprob) for lp in s.logprobs]) for s in samples]
+        )
+    exact, padded = results
+    for (ids, lps), (ids_p, lps_p) in zip(exact, padded, strict=True):
+        assert ids_p == ids
+        assert [t for t, _ in lps_p] == [t for t, _ in lps]
+        assert [lp for _, lp in lps_p] == pytest.approx([lp for _, lp in lps], abs=1e-5)
