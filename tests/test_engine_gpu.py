@@ -169,7 +169,8 @@ def test_prefill_and_mixed_steps_replayed_from_prefill_graphs_match_hf_greedy(
     # waiting prompts join steps queued ahead (mixed steps)
     others = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (9, 40, 100, 3, 60, 17)]
     before = sum(c.replays for c in counted.values())
-    outs = llm.generate(others, params)
+    lengths = (16, 5, 9, 12, 7, 14)  # requests end at different steps: seats free mid-run
+    outs = llm.generate(others, [SamplingParams(max_new_tokens=n) for n in lengths])
     assert sum(c.replays for c in counted.values()) > before
     if kwargs["max_num_seqs"] == 4:
         assert llm.last_metrics.num_mixed_ahead_steps > 0
