@@ -166,14 +166,13 @@ def test_prefill_and_mixed_steps_replayed_from_prefill_graphs_match_hf_greedy(
         }
         assert_greedy_agrees(ref, prompt, out.token_ids, tol)
     # together, other prompts (the prefix cache would serve the first ones); on 4 seats the
-    # waiting prompts join steps queued ahead (mixed steps)
+    # first step (152 tokens) is larger than every graph, so the replays are the steps that
+    # admit the waiting prompts beside the decode rows (mixed steps)
     others = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (9, 40, 100, 3, 60, 17)]
     before = sum(c.replays for c in counted.values())
     lengths = (16, 5, 9, 12, 7, 14)  # requests end at different steps: seats free mid-run
     outs = llm.generate(others, [SamplingParams(max_new_tokens=n) for n in lengths])
     assert sum(c.replays for c in counted.values()) > before
-    if kwargs["max_num_seqs"] == 4:
-        assert llm.last_metrics.num_mixed_ahead_steps > 0
     for prompt, out in zip(others, outs, strict=True):
         assert_greedy_agrees(ref, prompt, out.token_ids, tol)
     llm.close()
