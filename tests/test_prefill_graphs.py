@@ -58,17 +58,26 @@ def test_bad_prefill_graph_tokens_are_refused_before_any_work(tokens, error, mat
 
 class _ForwardOnReplay:
     """A CUDA graph's stand-in: ``replay()`` runs the runner's forward on the prepared step of
-    ``tokens`` tokens and writes the static outputs, as a captured graph's replay would."""
+    ``tokens`` tokens and writes the static outputs that ``execute`` took for this replay.
+
+    A GPU replay writes the same buffers every time, after every consumer queued before it on the
+    stream (the sampled ids' copy to the host, the next step's feed) has read them; on the CPU
+    those consumers read later, so each replay leaves fresh buffers for the next one."""
 
     def __init__(self, owner: runner.ModelRunner, tokens: int, seqs: int) -> None:
-        self.owner, self.tokens = owner, tokens
-        self.outputs = (torch.full((seqs, VOCAB), float("nan")), torch.full((seqs,), -1))
+        self.owner, self.tokens, self.seqs = owner, tokens, seqs
+        self.outputs = self._fresh()
         self.replays = 0
+
+    def _fresh(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((self.seqs, VOCAB), float("nan")), torch.full((self.seqs,), -1)
 
     def replay(self) -> None:
         logits, greedy = self.owner._call(self.tokens)  # [S, V], [S]: the padded step's rows
         self.outputs[0].copy_(logits)
         self.outputs[1].copy_(greedy)
+        self.outputs = self._fresh()
+        self.owner._prefill_graphs[self.tokens] = (self, self.outputs)
         self.replays += 1
 
 
@@ -85,23 +94,25 @@ def test_steps_padded_to_a_prefill_graph_give_the_tokens_and_logprobs_of_exact_s
     (mixed steps), each padded to the smallest stand-in graph that holds it: the padding tokens
     (no sequence, no K/V slot) and padding sequences change no real row's logits."""
     model = tiny_llama()
-    prompts = prompts_of([1, 9, 23, 5, 30, 3, 14], seed=4)
-    others = prompts_of([12, 2, 27, 6, 33, 4, 17], seed=5)
-    params = [SamplingParams(max_new_tokens=n, logprobs=2) for n in (6, 3, 9, 4, 7, 5, 8)]
+    prompts = prompts_of([1, 9, 23, 5, 30, 3, 14, 2, 19], seed=4)
+    others = prompts_of([12, 2, 27, 6, 33, 4, 17, 9, 21], seed=5)
+    params = [SamplingParams(max_new_tokens=n, logprobs=2) for n in (6, 3, 9, 4, 7, 5, 8, 2, 6)]
     results = []
-    for graphs in (None, [8, 16, 40]):
+    for graphs in (None, [8, 16, 40, 64]):
+        # 8 seats, 64-token steps: the first step of the batch (four prompts and a chunk of
+        # the fifth) replays the 64-token graph, and so does the step queued right after it
         llm = LLM(copy.deepcopy(model), backend="reference", compile=False, block_size=4,
-                  max_num_seqs=3, max_model_len=48, num_blocks=64, max_num_tokens=40)  # fmt: skip
+                  max_num_seqs=8, max_model_len=48, num_blocks=128, max_num_tokens=64)  # fmt: skip
         stand_ins = _with_stand_in_prefill_graphs(llm, graphs) if graphs else {}
         outs = [
             llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params, strict=True)
         ]
-        # other prompts (no prefix cache hits) on 3 seats: requests join steps queued ahead
+        # other prompts (no prefix cache hits): requests join steps queued ahead
         outs += llm.generate(others, params, use_tqdm=False)
         assert llm.last_metrics.num_mixed_ahead_steps > 0
         replays = llm.runner.num_prefill_replays
         assert replays == sum(g.replays for g in stand_ins.values())
-        if graphs:  # every graph served steps; steps larger than 40 tokens ran as they were
+        if graphs:  # every graph served steps
             assert all(g.replays > 0 for g in stand_ins.values()), {
                 t: g.replays for t, g in stand_ins.items()
             }
