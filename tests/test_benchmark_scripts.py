@@ -150,6 +150,17 @@ def test_probe_regional_compile_times_a_first_start_with_regions(tmp_path):
     assert result["aot_autograd"].get("autograd_cache_hit") == 1
 
 
+def test_probe_first_start_times_each_warm_up_step(tmp_path):
+    result = run_script("probe_first_start.py", "--backend", "auto", "--batches", "1,3",
+                        "--no-compile", out=tmp_path / "start.json")  # fmt: skip
+    # the warm-up's fixed steps for 3 sequences on a CPU (no graphs), in order, each timed
+    steps = [(st["step"], st["capturing"]) for st in result["steps"]]
+    assert steps == [("16/2", False), ("2/2", False), ("1/1", False)]
+    assert all(st["s"] > 0 for st in result["steps"])
+    assert result["warmup_breakdown"]["num_shapes"] == 3 and result["ready_s"] > 0
+    assert result["settings"]["batches"] == [1, 3]
+
+
 def test_bench_linear_times_the_down_projection_with_its_silu_mul(tmp_path):
     # the kernel the engine's one-token steps run for a gated MLP's down projection since NOTES
     # section 26, against cuBLAS after a SiLU-mul; a short sweep on it (interpreter, tiny shape)
