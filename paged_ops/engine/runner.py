@@ -1,6 +1,6 @@
 """Runs one scheduled step on the patched model: metadata, forward (compiled / graph-replayed), logits.
 
-Two paths:
+Three paths:
 
 - **Graphed decode** (CUDA, ``cuda_graphs=True``, every sequence adds one token): the step is padded
   to a batch-size bucket and a CUDA graph captured for that bucket is replayed. All graphs share one
@@ -113,9 +113,8 @@ def graph_buckets(max_num_seqs: int, sizes: Sequence[int] | None = None) -> list
 
 PREFILL_GRAPH_TOKENS = (32, 64, 128, 256, 512)  # default prefill graph sizes (tokens)
 PREFILL_GRAPH_MAX_SEQS = 8  # sequences a prefill graph holds at most
-FAST_MODE_GRAPHS = (
-    3  # graphs a process captures before all its graphs launch slower (graph_buckets)
-)
+# graphs a process captures before all its graphs launch slower (graph_buckets)
+FAST_MODE_GRAPHS = 3
 
 
 def prefill_graph_steps(
