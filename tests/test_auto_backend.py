@@ -264,6 +264,23 @@ def test_auto_runs_each_step_kind_on_its_backend_and_plans_only_what_runs(record
     assert handle >= 0
 
 
+def test_a_prefill_step_serves_as_a_mixed_step_where_it_runs_on_the_mixed_backend(recorded):
+    """What a prefill CUDA graph (captured on the mixed steps' backend) may replay: small
+    prompts and mixed steps, not a prompt large enough for "auto" to plan FlashInfer for."""
+    routing = small_pa().routing
+    assert routing.routes("prefill") != routing.routes("mixed")
+    tiny_prompt = [SequenceSlice([5], 0, 2)]  # 3 pairs x 256 FLOPs < 1000
+    prompt = [SequenceSlice([0, 1], 0, 6), SequenceSlice([2, 3], 0, 5)]  # 36 pairs: >= 1000
+    mixed = [SequenceSlice([0, 1, 4], 7, 3), SequenceSlice([2, 3], 6, 1)]
+    cached_prefix = [SequenceSlice([0, 1], 6, 2)]  # 2 new tokens on 6 cached: 15 pairs
+    assert routing.serves_as("mixed", tiny_prompt) and routing.serves_as("mixed", mixed)
+    assert not routing.serves_as("mixed", prompt)
+    assert not routing.serves_as("mixed", cached_prefix)
+    assert routing.serves_as("prefill", prompt) and not routing.serves_as("prefill", tiny_prompt)
+    one = small_pa("triton").routing  # one backend: every step serves as any kind
+    assert all(one.serves_as("mixed", s) for s in (tiny_prompt, prompt, mixed, cached_prefix))
+
+
 def test_a_routed_group_writes_decode_kv_in_the_triton_kernel_and_prefills_into_out(
     monkeypatch,
 ):

@@ -124,3 +124,30 @@ def test_steps_padded_to_a_prefill_graph_give_the_tokens_and_logprobs_of_exact_s
         assert ids_p == ids
         assert [t for t, _ in lps_p] == [t for t, _ in lps]
         assert [lp for _, lp in lps_p] == pytest.approx([lp for _, lp in lps], abs=1e-5)
+
+
+def test_a_step_the_routing_sends_to_another_backend_runs_without_a_graph(monkeypatch):
+    """Prefill graphs run the mixed steps' backend: a prompt that the routing would send elsewhere
+    ("auto" planning FlashInfer's FA3 for a large prefill) runs the forward as it is."""
+    model = tiny_llama()
+    llm = LLM(copy.deepcopy(model), backend="reference", compile=False, block_size=4,
+              max_num_seqs=8, max_model_len=48, num_blocks=128, max_num_tokens=64)  # fmt: skip
+    (graph,) = _with_stand_in_prefill_graphs(llm, [64]).values()
+    asked = []
+
+    def serves_as(kind: str, seqs) -> bool:  # noqa: ANN001
+        tokens = sum(s.num_new_tokens for s in seqs)
+        asked.append((kind, tokens))
+        return tokens < 20
+
+    monkeypatch.setattr(llm.pa.routing, "serves_as", serves_as)
+    small, large = prompts_of([10, 30], seed=6)
+    params = SamplingParams(max_new_tokens=3)
+    outs = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in (small, large)]
+    assert asked == [("mixed", 10), ("mixed", 30)]  # asked once per prompt step, not per decode
+    assert graph.replays == 1 and llm.runner.num_prefill_replays == 1
+    exact = LLM(copy.deepcopy(model), backend="reference", compile=False, block_size=4,
+                max_num_seqs=8, max_model_len=48, num_blocks=128, max_num_tokens=64)  # fmt: skip
+    assert outs == [
+        exact.generate([p], params, use_tqdm=False)[0].token_ids for p in (small, large)
+    ]

@@ -34,7 +34,13 @@ from paged_ops.backends import (
     restore_plan_state,
 )
 from paged_ops.backends.cost_table import AutoPolicy, uniform_policy
-from paged_ops.metadata import STEP_KINDS, AttentionMetadata
+from paged_ops.metadata import (
+    STEP_KINDS,
+    AttentionMetadata,
+    SequenceSlice,
+    attention_pairs,
+    classify_step,
+)
 from paged_ops.rope import rotate_half
 
 
@@ -154,6 +160,18 @@ class LayerRouting:
             for i in group.layers:
                 out[i] = group.route(kind)
         return out
+
+    def serves_as(self, kind: str, seqs: Sequence[SequenceSlice]) -> bool:
+        """Whether a step of ``seqs`` runs every layer on the backend that a step of ``kind``
+        runs (by its own kind, or for a prefill step below a group's ``min_prefill_flops`` the
+        group's "mixed" backend): a graph captured on a step of ``kind`` then computes it as the
+        routing would."""
+        step_kind, pairs = classify_step(seqs), attention_pairs(seqs)
+        return all(
+            group.policy.backends[group.policy.kind_for(step_kind, pairs * group.flops_per_pair)]
+            == group.policy.backends[kind]
+            for group in self.groups
+        )
 
     def backend_table(self) -> dict[str, list[str]]:
         """``{step_kind: [backend of each layer]}`` (a prefill step below a group's

@@ -389,8 +389,10 @@ class ModelRunner:
                 len(self.buckets) + len(self.verify_buckets),
                 prefill_graph_tokens,
             )
-            if steps and self._prefill_graph_safe():
+            if steps and self._graph_safe("mixed"):
                 self.prefill_steps = steps
+        # whether a prefill step may route elsewhere than a mixed step (set before the captures)
+        self._prefill_route_check = True
         # T -> graph of a prefill step padded to (T, S): logits [S, V], greedy ids [S]
         self._prefill_graphs: dict[
             int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]
@@ -511,20 +513,18 @@ class ModelRunner:
 
         return not any(is_planned(name) for name, _ in self.pa.routing.routes(kind))
 
-    def _prefill_graph_safe(self) -> bool:
-        """Whether one captured prefill graph serves both prefill and mixed steps: every layer
-        takes the same unplanned backend for both kinds."""
-        routing = self.pa.routing
-        return (
-            self._graph_safe("prefill")
-            and self._graph_safe("mixed")
-            and routing.routes("prefill") == routing.routes("mixed")
-        )
-
-    def _prefill_step(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
-        """The smallest prefill graph's ``(T, S)`` that holds a step of that size, or None."""
+    def _prefill_step(self, batch: ScheduledBatch) -> tuple[int, int] | None:
+        """The smallest prefill graph's ``(T, S)`` that holds ``batch`` (a prefill or mixed
+        step), or None: none is large enough, or the routing would run the step on another
+        backend than a mixed step's (a prefill step large enough for FlashInfer's FA3 under
+        "auto"; the graphs are captured on the mixed steps' backend)."""
+        num_tokens, num_seqs = batch.num_tokens, len(batch.seqs)
         for tokens, seqs in self.prefill_steps:
             if num_tokens <= tokens and num_seqs <= seqs:
+                if self._prefill_route_check and not self.pa.routing.serves_as(
+                    "mixed", batch.slices
+                ):
+                    return None
                 return tokens, seqs
         return None
 
@@ -610,7 +610,7 @@ class ModelRunner:
             graph, (logits, greedy) = self._graphs[bucket]
             graph.replay()
             return logits[:num_seqs], greedy[:num_seqs]
-        padded = None if batch.is_decode else self._prefill_step(batch.num_tokens, num_seqs)
+        padded = None if batch.is_decode else self._prefill_step(batch)
         if padded is not None:  # a prefill or mixed step that a prefill graph holds
             self._set_inputs(batch, fed_from, *padded)
             graph, (logits, greedy) = self._prefill_graphs[padded[0]]
@@ -836,6 +836,13 @@ class ModelRunner:
         # bucket's capture arms the same PagedAttention step state (metadata buffers, plans).
         # Largest first: later graphs reuse its pool. Verify graphs (k + 1 tokens per sequence,
         # logits at each) and prefill graphs share the pool too.
+        # The warm-up's first step fixed the routing (a self-timed "auto" may have chosen a
+        # planned backend): prefill graphs run the mixed steps' backend, unplanned, and serve a
+        # prefill step only where the routing sends it there too.
+        if not self._graph_safe("mixed"):
+            self.prefill_steps = []
+        routing = self.pa.routing
+        self._prefill_route_check = routing.routes("prefill") != routing.routes("mixed")
         k = self.verify_tokens
         # (name in capture_each_s, T, S, graphs, key)
         plan: list[tuple[int | str, int, int, dict, int]] = [
