@@ -837,8 +837,11 @@ class ModelRunner:
         # Largest first: later graphs reuse its pool. Verify graphs (k + 1 tokens per sequence,
         # logits at each) and prefill graphs share the pool too.
         # The warm-up's first step fixed the routing (a self-timed "auto" may have chosen a
-        # planned backend): prefill graphs run the mixed steps' backend, unplanned, and serve a
-        # prefill step only where the routing sends it there too.
+        # planned backend since __init__): verify graphs need prefill steps unplanned; prefill
+        # graphs run the mixed steps' backend, unplanned, and serve a prefill step only where
+        # the routing sends it there too.
+        if not self._graph_safe("prefill"):
+            self.verify_buckets = []
         if not self._graph_safe("mixed"):
             self.prefill_steps = []
         routing = self.pa.routing
