@@ -81,6 +81,34 @@ def test_mixed_batch_matches_dense_f64(block_size, group, head_dim):
     assert_padding_rows_zero(out, batch)
 
 
+@pytest.mark.parametrize("num_segments", [None, 2], ids=["default", "split_kv"])
+@pytest.mark.parametrize(
+    ("seqs", "tokens", "num_seqs"),
+    [
+        ([(0, 9)], 64, 8),  # a batch-1 prompt in the engine's (64, 8) prefill graph
+        ([(0, 37), (5, 1), (0, 9)], 64, 8),  # two prompts and a decode row (a mixed step)
+        ([(12, 100)], 128, 8),  # a prompt chunk on a cached prefix
+    ],
+)
+def test_a_step_padded_to_a_prefill_graph_matches_dense_f64(seqs, tokens, num_seqs, num_segments):
+    """A prefill CUDA graph replays its ``(T, S)`` launch for every smaller step, padded: most of
+    the query rows and sequences can be padding. The real rows match dense float64, the padded
+    rows are zeros, and the padding tokens (slot -1) write nothing."""
+    real = sum(q for _, q in seqs)
+    batch = make_batch(seqs, num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
+                       pad_tokens=tokens - real, pad_seqs=num_seqs - len(seqs), seed=real)  # fmt: skip
+    assert batch.query.shape[0] == tokens and batch.seq_lens.shape[0] == num_seqs
+    if num_segments is None:  # the launch the graph's size picks: the prefill kernel here
+        picked = triton_backend.launch_config(
+            num_tokens=tokens, num_seqs=num_seqs, num_q_heads=8, num_kv_heads=2, head_dim=32,
+            max_kv_len=batch.block_table.shape[1] * 16, num_sms=1, plain_causal=True,
+        )  # fmt: skip
+        assert picked.kernel == "prefill"
+    out = run_triton(batch, num_segments)
+    assert_matches_dense(out, batch, dense_batch_f64(batch, scale=32**-0.5), rtol=1e-5)
+    assert_padding_rows_zero(out, batch)
+
+
 FEATURES = {
     "plain": {},
     "sliding_window": dict(sliding_window=6),
