@@ -53,6 +53,12 @@ def test_bad_prefill_graph_tokens_are_refused_before_any_work(tokens, error, mat
     assert not hasattr(model, "paged_attention")  # the model was not touched
 
 
+def small_llm(model: torch.nn.Module) -> LLM:
+    """An LLM on a copy of ``model``: reference backend, eager, 8 seats, 64-token steps."""
+    return LLM(copy.deepcopy(model), backend="reference", compile=False, block_size=4,
+               max_num_seqs=8, max_model_len=48, num_blocks=128, max_num_tokens=64)  # fmt: skip
+
+
 class _ForwardOnReplay:
     """A CUDA graph's stand-in: ``replay()`` runs the runner's forward on the prepared step of
     ``tokens`` tokens and writes the static outputs that ``execute`` took for this replay.
@@ -98,8 +104,7 @@ def test_steps_padded_to_a_prefill_graph_give_the_tokens_and_logprobs_of_exact_s
     for graphs in (None, [8, 16, 40, 64]):
         # 8 seats, 64-token steps: the first step of the batch (four prompts and a chunk of
         # the fifth) replays the 64-token graph, and so does the step queued right after it
-        llm = LLM(copy.deepcopy(model), backend="reference", compile=False, block_size=4,
-                  max_num_seqs=8, max_model_len=48, num_blocks=128, max_num_tokens=64)  # fmt: skip
+        llm = small_llm(model)
         stand_ins = _with_stand_in_prefill_graphs(llm, graphs) if graphs else {}
         outs = [
             llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params, strict=True)
@@ -130,8 +135,7 @@ def test_a_step_the_routing_sends_to_another_backend_runs_without_a_graph(monkey
     """Prefill graphs run the mixed steps' backend: a prompt that the routing would send elsewhere
     ("auto" planning FlashInfer's FA3 for a large prefill) runs the forward as it is."""
     model = tiny_llama()
-    llm = LLM(copy.deepcopy(model), backend="reference", compile=False, block_size=4,
-              max_num_seqs=8, max_model_len=48, num_blocks=128, max_num_tokens=64)  # fmt: skip
+    llm = small_llm(model)
     (graph,) = _with_stand_in_prefill_graphs(llm, [64]).values()
     asked = []
 
@@ -146,8 +150,7 @@ def test_a_step_the_routing_sends_to_another_backend_runs_without_a_graph(monkey
     outs = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in (small, large)]
     assert asked == [("mixed", 10), ("mixed", 30)]  # asked once per prompt step, not per decode
     assert graph.replays == 1 and llm.runner.num_prefill_replays == 1
-    exact = LLM(copy.deepcopy(model), backend="reference", compile=False, block_size=4,
-                max_num_seqs=8, max_model_len=48, num_blocks=128, max_num_tokens=64)  # fmt: skip
+    exact = small_llm(model)
     assert outs == [
         exact.generate([p], params, use_tqdm=False)[0].token_ids for p in (small, large)
     ]

@@ -78,6 +78,15 @@ def check_llm_args(
     return given
 
 
+def _check_int_sequence(name: str, value: Any, what: str) -> None:
+    """``TypeError`` unless ``value`` is a sequence (not a string): the sizes arguments of
+    ``LLM`` (``what`` names their items in the message)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"{name} must be a sequence of {what} (ints), got {type(value).__name__} {value!r}"
+        )
+
+
 def check_graph_sizes(
     sizes: Any, max_num_seqs: int | None, cuda_graphs: bool
 ) -> tuple[int, ...] | None:
@@ -86,11 +95,7 @@ def check_graph_sizes(
     checks it against the resolved one), and only with ``cuda_graphs``."""
     if sizes is None:
         return None
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
-        raise TypeError(
-            f"cuda_graph_sizes must be a sequence of batch sizes (ints), got "
-            f"{type(sizes).__name__} {sizes!r}"
-        )
+    _check_int_sequence("cuda_graph_sizes", sizes, "batch sizes")
     if not sizes:
         raise ValueError("cuda_graph_sizes must name at least one batch size, got an empty one")
     if not cuda_graphs:
@@ -109,11 +114,7 @@ def check_prefill_graph_tokens(tokens: Any, cuda_graphs: bool) -> tuple[int, ...
     ``cuda_graphs`` (the runner checks them against ``max_num_tokens``)."""
     if tokens is None:
         return None
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-        raise TypeError(
-            f"prefill_graph_tokens must be a sequence of token counts (ints), got "
-            f"{type(tokens).__name__} {tokens!r}"
-        )
+    _check_int_sequence("prefill_graph_tokens", tokens, "token counts")
     if tokens and not cuda_graphs:
         raise ValueError(f"prefill_graph_tokens={list(tokens)} needs cuda_graphs=True")
     return tuple(sorted({as_int("prefill_graph_tokens[i]", v, 3) for v in tokens}))
