@@ -140,7 +140,7 @@ def test_chosen_graph_sizes_pad_to_the_next_and_larger_batches_run_without_a_gra
         (torch.float32, 1e-3, dict(max_num_seqs=4, prefill_graph_tokens=(16, 64, 128)),
          [16, 64, 128]),
         # the default above 64 sequences (eight decode graphs already)
-        (torch.bfloat16, 0.15, dict(max_num_seqs=72), [32, 64, 128, 256, 512]),
+        (torch.bfloat16, 0.15, dict(max_num_seqs=72), [32, 64, 128, 256, 512, 1024, 2048]),
     ],
 )  # fmt: skip
 def test_prefill_and_mixed_steps_replayed_from_prefill_graphs_match_hf_greedy(

@@ -21,14 +21,17 @@ from engine_models import VOCAB, prompts_of, tiny_llama  # noqa: E402
 def test_default_prefill_graphs_only_where_the_decode_graphs_are_already_past_three():
     # three graphs or fewer: a fourth capture would slow them all (NOTES section 28)
     assert prefill_graph_steps(64, 2048, FAST_MODE_GRAPHS) == []
-    assert prefill_graph_steps(256, 4096, 13) == [(32, 8), (64, 8), (128, 8), (256, 8), (512, 8)]
+    assert prefill_graph_steps(256, 4096, 13) == [
+        (32, 15), (64, 31), (128, 63), (256, 127), (512, 255), (1024, 256), (2048, 256),
+        (4096, 256),
+    ]  # fmt: skip
     # no graph larger than a step can be; never more sequences than the LLM has seats
     assert prefill_graph_steps(2, 100, 4) == [(32, 2), (64, 2)]
     # chosen sizes (any graph count): sorted, distinct; T > 2 S keeps the prefill launch
-    assert prefill_graph_steps(64, 2048, 3, [64, 3, 8, 64]) == [(3, 1), (8, 3), (64, 8)]
+    assert prefill_graph_steps(64, 2048, 3, [64, 3, 8, 64]) == [(3, 1), (8, 3), (64, 31)]
     assert prefill_graph_steps(64, 2048, 13, ()) == []
     for t, s in prefill_graph_steps(256, 4096, 0, range(3, 600)):
-        assert 1 <= s <= runner.PREFILL_GRAPH_MAX_SEQS and t > 2 * s
+        assert 1 <= s <= 256 and t > 2 * s
     for bad in ([2, 64], [64, 5000]):
         with pytest.raises(ValueError, match=r"in \[3, max_num_tokens=4096\], got"):
             prefill_graph_steps(256, 4096, 13, bad)

@@ -268,13 +268,14 @@ class LLM:
             benchmarks/NOTES.md section 30).
         prefill_graph_tokens: the token counts of the prefill CUDA graphs: a step that is not a
             decode step (a prompt or its chunk, with decode rows beside it or not) of at most
-            ``T`` tokens over at most 8 sequences is padded to the smallest such graph and
-            replayed instead of launched from Python (``()``: none). Default (None): 32, 64,
-            128, 256 and 512 (up to ``max_num_tokens``) for a compiled model whose decode graphs
-            number more than three (above 64 sequences by default); none otherwise, since a
-            fourth capture slows every graph's launches (above). A batch-1 prompt's step is
-            ~10x host-bound launched from Python (H200, 1B model: ~1.3 ms of kernels, 9-15 ms of
-            host time; benchmarks/NOTES.md sections 36-37).
+            ``T`` tokens over at most ``min(max_num_seqs, (T - 1) // 2)`` sequences is padded to
+            the smallest such graph and replayed instead of launched from Python (``()``:
+            none). Default (None): the powers of two from 32 to 4096 up to ``max_num_tokens``
+            for a compiled model whose decode graphs number more than three (above 64 sequences
+            by default); none otherwise, since a fourth capture slows every graph's launches
+            (above). A batch-1 prompt's step is ~10x host-bound launched from Python (H200, 1B
+            model: ~1.3 ms of kernels, 9-15 ms of host time; benchmarks/NOTES.md sections
+            36-37).
         prefix_caching: share KV blocks of common prompt prefixes.
         max_num_tokens: token budget of one step (chunked prefill); default
             ``max(2048, max_num_seqs)``. Applies when the LLM patches the model itself.

@@ -111,8 +111,7 @@ def graph_buckets(max_num_seqs: int, sizes: Sequence[int] | None = None) -> list
     return sorted(set(fine + [max_num_seqs]))
 
 
-PREFILL_GRAPH_TOKENS = (32, 64, 128, 256, 512)  # default prefill graph sizes (tokens)
-PREFILL_GRAPH_MAX_SEQS = 8  # sequences a prefill graph holds at most
+PREFILL_GRAPH_TOKENS = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # default sizes (tokens)
 # graphs a process captures before all its graphs launch slower (graph_buckets)
 FAST_MODE_GRAPHS = 3
 
@@ -131,9 +130,10 @@ def prefill_graph_steps(
     graphs (``other_graphs``: decode and verify) already number more than
     :data:`FAST_MODE_GRAPHS`: a fourth capture slows every graph of the process (NOTES.md
     section 28), so an LLM of three graphs keeps its fast decode graphs and its eager prefill.
-    Each graph holds ``S = min(max_num_seqs, PREFILL_GRAPH_MAX_SEQS, (T - 1) // 2)`` sequences:
-    ``T > 2 S`` keeps the attention's launch one for prefill and mixed steps (its decode launch
-    assumes one query block per sequence, which a padded prefill step breaks).
+    Each graph holds ``S = min(max_num_seqs, (T - 1) // 2)`` sequences: ``T > 2 S`` keeps the
+    attention's launch one for prefill and mixed steps (its decode launch assumes one query block
+    per sequence, which a padded prefill step breaks); the padding sequences' programs return at
+    once.
     """
     if tokens is None:
         if other_graphs <= FAST_MODE_GRAPHS:
@@ -145,7 +145,7 @@ def prefill_graph_steps(
             f"prefill_graph_tokens must be token counts in [3, max_num_tokens={max_num_tokens}], "
             f"got {list(tokens)}"
         )
-    return [(t, min(max_num_seqs, PREFILL_GRAPH_MAX_SEQS, (t - 1) // 2)) for t in chosen]
+    return [(t, min(max_num_seqs, (t - 1) // 2)) for t in chosen]
 
 
 def warm_up_shapes(max_num_seqs: int, max_num_tokens: int, on_gpu: bool) -> list[tuple[int, int]]:
@@ -256,8 +256,8 @@ class ModelRunner:
             ``[1, max_num_seqs]``); None: :func:`graph_buckets`' default. A decode step of more
             sequences than the largest runs the compiled forward without a graph.
         prefill_graph_tokens: with ``cuda_graphs``, the token counts of the prefill graphs (steps
-            that are not decode steps: prompts, prompt chunks, mixed steps, of up to
-            ``PREFILL_GRAPH_MAX_SEQS`` sequences; :func:`prefill_graph_steps`); ``()`` none;
+            that are not decode steps: prompts, prompt chunks, mixed steps;
+            :func:`prefill_graph_steps`); ``()`` none;
             None the default, on for a compiled forward whose decode graphs number more than
             three. A prefill step of a batch-1 request is ~10x host-bound when launched from
             Python (H200, 1B model: ~1.3 ms of kernels in 9-15 ms; NOTES.md section 36).
