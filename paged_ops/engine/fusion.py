@@ -347,7 +347,7 @@ def compile_backend(
     on_mlps_fused: Callable[[int], None] | None = None,
     on_ropes_fused: Callable[[int], None] | None = None,
     rope_in_attention: bool = False,
-    fold_conds: bool = True,
+    fold_conds: bool = False,
 ) -> Callable:
     """A ``torch.compile`` backend: :func:`fuse_linears` (``fuse``), then with ``small_linears``
     :func:`~paged_ops.engine.norm_fusion.fuse_norm_linears` (residual add + RMSNorm + the

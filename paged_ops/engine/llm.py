@@ -293,8 +293,8 @@ class LLM:
             vocabulary heads; and in one-token steps a Llama-style residual add + RMSNorm goes
             into the projections that read it (``paged_ops.add_rms_norm_linear``), q and k's
             RoPE into the q/k/v GEMV's epilogue and the MLP's SiLU-mul into the down GEMV
-            (``paged_ops.silu_mul_linear``), each behind a ``cond`` on the step's size: other
-            steps run the model's own ops. Default (None): on for a compiled CUDA model with
+            (``paged_ops.silu_mul_linear``); how steps of several tokens run them is
+            ``fold_conds``. Default (None): on for a compiled CUDA model with
             triton installed and no tensor parallelism (H200, 1B model: batch 1 980-983 vs
             868-875 tok/s without, 64 requests +3%; benchmarks/NOTES.md section 26); off on the
             CPU.
@@ -306,15 +306,16 @@ class LLM:
             256-sequence decode graph on an H200 is 1.9% shorter with it, batch 1's the same
             (benchmarks/NOTES.md section 34).
         fold_conds: with ``small_linears``, how the one-token folds (norm, RoPE, SiLU-mul into
-            the GEMVs) meet steps of several tokens. True: each fold is a ``cond`` on the step's
-            size whose other branch is the model's own ops as Inductor compiles them. False:
-            each fold is one op that picks its kernels when it runs (one token: the fused GEMV;
-            more: one add + RMSNorm, SiLU-mul or rotation kernel of ours, then the matmul), which
-            AOTAutograd and Inductor compile as one opaque node instead of two traced branches.
-            H200, 1B model (benchmarks/NOTES.md sections 35-36): first start 28.9 vs 44.0 s
-            (33.1 vs 48.1 s on another lease), but a batch-1 prefill ~1 ms longer (the ops'
-            launches cost more host time than Inductor's code; ~3 ms before the cached launch
-            path of section 36), so True by default.
+            the GEMVs) meet steps of several tokens. False (default): each fold is one op that
+            picks its kernels when it runs (one token: the fused GEMV; more: one add + RMSNorm,
+            SiLU-mul or rotation kernel of ours, then the matmul), which AOTAutograd and
+            Inductor compile as one opaque node. True: each fold is a ``cond`` on the step's
+            size whose other branch is the model's own ops as Inductor compiles them; a graph
+            with a ``cond`` bypasses Inductor's FX graph and AOTAutograd caches (torch 2.11-2.13).
+            H200, 1B model (benchmarks/NOTES.md sections 35-38): first start 30.0 vs 46.2 s; with
+            prompt steps replayed from prefill graphs (above 64 sequences) throughput is the
+            same (256 requests 97,075-99,240 vs 94,240-98,062 tok/s); a prompt step launched
+            from Python (64 sequences or fewer) takes ~1 ms more host time with False.
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward; identical layers are served
             by Inductor's and AOTAutograd's caches, so the first start compiles one layer's
@@ -403,7 +404,7 @@ class LLM:
         compile_regions: bool = False,
         rope_tables: bool = True,
         rope_in_attention: bool = False,
-        fold_conds: bool = True,
+        fold_conds: bool = False,
         precompile: bool | None = None,
         kv_cache_dtype: str | torch.dtype | None = None,
         calculate_kv_scales: bool | None = None,
