@@ -8,11 +8,6 @@ names an H100 (sm_90) and launches nothing.
    runs (so the child's cache keys are the ones the JIT's own launches look up);
 4. control: with another empty cache dir, a call does run the code generator.
 
-With the argument ``workers``, the workers' protocol: two workers build a first batch, then a
-second batch sent to the same processes (:meth:`Prebuild.more`), and every call finds both
-batches' variants in the cache; the metadata copy kernel, in ``ALWAYS_RUN``, compiles (and
-launches) while the others are recorded.
-
 With the argument ``gemm``, the same for the split-K GEMM that ``small_linear`` runs for 64-256
 rows of a deep, narrow weight (``_call_linears``; the op's CUDA-only route is taken as given).
 
@@ -35,12 +30,7 @@ from triton.runtime import driver  # noqa: E402
 
 from paged_ops import linear  # noqa: E402
 from paged_ops.backends import triton as triton_backend  # noqa: E402
-from paged_ops.backends import (  # noqa: E402
-    triton_copy_kernels,
-    triton_gemm_kernels,
-    triton_kernels,
-    triton_linear_kernels,
-)
+from paged_ops.backends import triton_gemm_kernels, triton_kernels, triton_linear_kernels  # noqa: E402
 from paged_ops.engine import variant_prebuild  # noqa: E402
 from paged_ops.engine.runner import warm_up_shapes  # noqa: E402
 from paged_ops.module import LayerConfig, PagedAttention  # noqa: E402
@@ -90,9 +80,6 @@ def main() -> None:
     if sys.argv[1:] == ["gemm"]:
         print(json.dumps(gemm_flow(codegen_runs)))
         return
-    if sys.argv[1:] == ["workers"]:
-        print(json.dumps(workers_flow(codegen_runs)))
-        return
     layers = [LayerConfig(), LayerConfig(sliding_window=8)]  # two layer kinds
     pa = PagedAttention(
         num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, layers=layers, num_blocks=32,
@@ -116,43 +103,6 @@ def main() -> None:
     variant_prebuild._call_each(pa, work[:1])
     out["codegen_control"] = codegen_runs[0] - before
     print(json.dumps(out))
-
-
-def workers_flow(codegen_runs: list[int]) -> dict:
-    """Two batches of attention variants (two layer kinds' steps, then more steps) on two
-    workers; the copy kernel's launch while recording."""
-    pa = PagedAttention(
-        num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
-        layers=[LayerConfig(), LayerConfig(sliding_window=8)], num_blocks=32, block_size=16,
-        max_model_len=256, max_num_seqs=4, max_num_tokens=64, dtype=torch.float16,
-        backend="triton",
-    )  # fmt: skip
-    steps = warm_up_shapes(4, 64, on_gpu=True)[:3] + [(1, 1), (4, 4)]
-    work = variant_prebuild._steps_per_variant(pa, steps)  # one call per variant
-    first, second = work[:2], work[2:]
-    src, dst = torch.zeros(64, dtype=torch.int32), torch.ones(64, dtype=torch.int32)
-    with variant_prebuild.recording_variants(variant_prebuild.ALWAYS_RUN) as records:
-        variant_prebuild._call_each(pa, first)
-        before = codegen_runs[0]
-        triton_copy_kernels.copy_words_kernel[(1,)](src, dst, 64, BLOCK=1024)
-        out = dict(copy_codegen=codegen_runs[0] - before)
-    out.update(first=len(first), first_records=len(records))
-    out["codegen_while_recording"] = codegen_runs[0] - out["copy_codegen"]
-    prebuild = variant_prebuild.spawn(records, variant_prebuild.current_target(), workers=2)
-    out["workers"] = len(prebuild.processes)
-    out["first_built"] = prebuild.wait(close=False)
-    with variant_prebuild.recording_variants() as more:
-        variant_prebuild._call_each(pa, second)
-    out.update(second=len(second), second_records=len(more))
-    out["second_built"] = prebuild.more(more)
-    out["same_workers"] = [p.poll() is None for p in prebuild.processes]
-    prebuild.close()
-    out["exit_codes"] = [p.returncode for p in prebuild.processes]
-    out["workdir_left"] = prebuild.workdir.exists()
-    before = codegen_runs[0]
-    out["calls_after"] = variant_prebuild._call_each(pa, first + second)
-    out["codegen_after"] = codegen_runs[0] - before
-    return out
 
 
 def gemm_flow(codegen_runs: list[int]) -> dict:

@@ -390,7 +390,7 @@ def test_mlp_fusion_under_inductor_splits_views_and_serves_both_branches(monkeyp
 
     mlps: list[int] = []
     backend = fusion.compile_backend("inductor", fuse=False, small_linears=True,
-                                     on_mlps_fused=mlps.append)  # fmt: skip
+                                     on_mlps_fused=mlps.append, fold_conds=True)  # fmt: skip
     torch._dynamo.reset()
     counters.clear()
     compiled = compile_step_function(mlp, backend)

@@ -111,26 +111,6 @@ def test_the_child_compiles_the_split_k_gemm_variants_that_small_linear_then_fin
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-def test_two_workers_build_two_batches_that_the_backend_then_finds_in_the_cache():
-    probe = Path(__file__).with_name("prebuild_probe.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(probe), "workers"], capture_output=True, text=True,
-                         timeout=600, env=env)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got["copy_codegen"] == 1  # ALWAYS_RUN: compiled (and launched) while recording
-    assert got["codegen_while_recording"] == 0  # the attention's variants: recorded only
-    assert got["workers"] == 2 and got["first_records"] >= got["first"] >= 2
-    assert got["first_built"] == got["first_records"]
-    assert got["second"] >= 2 and got["second_records"] >= got["second"]
-    assert got["second_built"] == got["second_records"]  # by the same processes, still alive
-    assert got["same_workers"] == [True, True]
-    assert got["exit_codes"] == [0, 0] and not got["workdir_left"]  # close(): end of input
-    assert got["calls_after"] == got["first"] + got["second"]
-    assert got["codegen_after"] == 0  # both batches' variants found in the workers' cache
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_a_variant_the_child_cannot_build_is_reported_and_costs_nothing_else(caplog):
     target = {"backend": "cuda", "arch": 90, "warp_size": 32}
     bad = {"module": "paged_ops.backends.triton_kernels", "name": "no_such_kernel", "data": "{}"}

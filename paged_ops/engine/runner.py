@@ -772,11 +772,9 @@ class ModelRunner:
             ``graph_warmup_s`` the runs before captures, ``capture_s`` the ``num_graphs``
             captures, ``capture_each_s`` each graph's run + capture (decode buckets by batch
             size, ``verify{b}``, ``prefill{T}``); on a GPU first compile,
-            ``prebuilt`` the triton variants child processes built beside it and
-            ``prebuild_wait_s`` the wait for them after the first step, then
-            ``prebuilt_steps`` the variants they built for the later steps and
-            ``prebuild_steps_s`` the time of that (recording the steps, then the build; part
-            of ``shapes_s``) (:mod:`paged_ops.engine.variant_prebuild`).
+            ``prebuilt`` the triton variants a child process built beside it and
+            ``prebuild_wait_s`` the wait for that process after the first step
+            (:mod:`paged_ops.engine.variant_prebuild`).
         """
         allocator = self.pa.allocator
         if not allocator.can_allocate(1):
@@ -790,46 +788,6 @@ class ModelRunner:
                 return self._warm_up(block)
         finally:
             allocator.free([block])
-
-    def _run_step(
-        self, slices: list[SequenceSlice], tokens: int, seqs: int, rows: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One warm-up step: ``slices`` prepared as a step of ``tokens`` tokens over ``seqs``
-        sequences, token ids 0, the forward (logits at ``rows``, default the metadata's)."""
-        self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
-        self._load_ids([0] * sum(s.num_new_tokens for s in slices), tokens)
-        return self._call(tokens, rows)
-
-    def _verify_warm_up_step(
-        self, block: int
-    ) -> tuple[list[SequenceSlice], int, int, torch.Tensor]:
-        """The warm-up's verify step (speculative decoding): ``k + 1`` tokens for each of up to 2
-        sequences, logits at every token (``R = T`` rows)."""
-        n, seqs = self.verify_tokens + 1, min(2, self.max_num_seqs)
-        slices = [SequenceSlice([block] * -(-n // self.pa.block_size), 0, n)] * seqs
-        return slices, n * seqs, seqs, self.logit_rows[: n * seqs]
-
-    def _record_later_steps(self, block: int, shapes: list[tuple[int, int]]) -> list[dict]:
-        """The kernel variants of ours that the warm-up meets after its first step (its other
-        shapes, the verify step, the graphs' runs before their captures), recorded by running
-        each of those steps once with every new variant's compile and launch skipped
-        (:func:`variant_prebuild.recording_variants`; the metadata copy runs): the records for
-        the prebuild's workers. The steps' outputs mean nothing, as every warm-up step's."""
-        steps = [(warm_up_slices(block, t, s, self.pa), t, s, None) for t, s in shapes[1:]]
-        if self.verify_tokens:
-            steps.append(self._verify_warm_up_step(block))
-        k = self.verify_tokens
-        graphed = [(b, b, None) for b in self.buckets] + list(
-            (t, s, None) for t, s in self.prefill_steps
-        )
-        graphed += [(b * (k + 1), b, self.logit_rows[: b * (k + 1)]) for b in self.verify_buckets]
-        for tokens, seqs, rows in graphed:
-            if (tokens, seqs) not in shapes or rows is not None:
-                steps.append((warm_up_slices(block, tokens, seqs, self.pa), tokens, seqs, rows))
-        with variant_prebuild.recording_variants(variant_prebuild.ALWAYS_RUN) as records:
-            for step in steps:
-                self._run_step(*step)
-        return records
 
     def _warm_up(self, block: int) -> dict[str, Any]:
         shapes = self._warm_up_shapes()
@@ -847,30 +805,25 @@ class ModelRunner:
         try:
             for i, (tokens, seqs) in enumerate(shapes):
                 t0 = time.perf_counter()
-                self._run_step(warm_up_slices(block, tokens, seqs, self.pa), tokens, seqs)
+                slices = warm_up_slices(block, tokens, seqs, self.pa)
+                self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
+                self._load_ids([0] * sum(s.num_new_tokens for s in slices), tokens)
+                self._call(tokens)
                 times["compile_s" if i == 0 else "shapes_s"] += self._elapsed(t0)
                 if i == 0 and prebuild is not None:  # the later steps find their variants
                     t0 = time.perf_counter()
-                    built = prebuild.wait(close=False)
+                    built, prebuild = prebuild.wait(), None
                     times.update(prebuild_wait_s=self._elapsed(t0), prebuilt=built)
-                    if variant_prebuild.later_steps_enabled():
-                        t0 = time.perf_counter()
-                        try:
-                            records = self._record_later_steps(block, shapes)
-                        except Exception as e:  # noqa: BLE001 - the real steps meet it again
-                            variant_prebuild.logger.info("variant prebuild: the later steps: %r", e)
-                            records = []
-                        times["prebuilt_steps"] = prebuild.more(records)
-                        times["prebuild_steps_s"] = self._elapsed(t0)
-                        times["shapes_s"] += times["prebuild_steps_s"]
-                    prebuild.close()
-                    prebuild = None
         finally:
             if prebuild is not None:  # the first step failed
                 prebuild.wait(timeout_s=0.0)
         if self.verify_tokens and self._compiled:  # logits at every token: R = T rows
             t0 = time.perf_counter()
-            self._run_step(*self._verify_warm_up_step(block))
+            n, seqs = self.verify_tokens + 1, min(2, self.max_num_seqs)
+            slices = [SequenceSlice([block] * -(-n // self.pa.block_size), 0, n)] * seqs
+            self.pa.prepare_slices(slices, num_tokens=n * seqs, num_seqs=seqs)
+            self._load_ids([0] * (n * seqs), n * seqs)
+            self._call(n * seqs, self.logit_rows[: n * seqs])
             times["shapes_s"] += self._elapsed(t0)
             times["num_shapes"] += 1
         times.update(graph_warmup_s=0.0, capture_s=0.0, num_graphs=0, capture_each_s={})
@@ -916,7 +869,9 @@ class ModelRunner:
                 # split, Triton's integer specialisations) compile and Inductor's kernels
                 # autotune here, never inside the capture. A graph whose exact step (the same
                 # slices, all on one block) was among the warm-up shapes has met them.
-                self._run_step(slices, tokens, seqs, rows)
+                self.pa.prepare_slices(slices, num_tokens=tokens, num_seqs=seqs)
+                self._load_ids([0] * sum(s.num_new_tokens for s in slices), tokens)
+                self._call(tokens, rows)
                 times["graph_warmup_s"] += self._elapsed(t0)
             t1 = time.perf_counter()
             # a forward consumes its prepared step: the captured one gets its own, as each replay
@@ -941,11 +896,7 @@ def format_breakdown(times: dict[str, Any]) -> str:
     )
     if "prebuilt" in times:
         line += (f" ({times['prebuilt']} kernel variants built beside the compile, "
-                 f"{times['prebuild_wait_s']:.2f} s waited for")  # fmt: skip
-        if "prebuilt_steps" in times:
-            line += (f"; {times['prebuilt_steps']} for the later steps in "
-                     f"{times['prebuild_steps_s']:.2f} s")  # fmt: skip
-        line += ")"
+                 f"{times['prebuild_wait_s']:.2f} s waited for)")  # fmt: skip
     if "precompiled" in times:
         line += f" (precompiled forward: {times['precompiled']})"
     if "setup_s" in times:

@@ -32,18 +32,7 @@ weight and warm-up token count that the op would send there (:func:`_call_linear
 kernel included; they would otherwise compile in the warm-up's later steps (~1.2 s of an H200's
 first start, benchmarks/NOTES.md section 32).
 
-The warm-up's later steps meet more of our kernels' variants than the attention's and the
-GEMM's: the GEMVs, norm, rotation, SiLU-mul and argmax kernels at each step size (4-5 s of an
-H200's cold first start, benchmarks/NOTES.md sections 37-38). Which ones the compiled forward
-launches is known only once it is compiled, so after the first step the warm-up runs its later
-steps once more with every new variant of ours recorded and skipped (:func:`recording_variants`;
-the step's outputs mean nothing, as every warm-up step's), the workers (several child processes,
-kept from the start: their imports are done) compile those records in parallel
-(:meth:`Prebuild.more`), and the steps then run for real and find them on disk. The metadata
-copy kernel is never skipped (:data:`ALWAYS_RUN`): a step's attention reads what it copied.
-
-``PAGED_OPS_PREBUILD_VARIANTS=0`` turns it off (to measure it); ``PAGED_OPS_PREBUILD_STEPS=0``
-turns off the later steps' part only.
+``PAGED_OPS_PREBUILD_VARIANTS=0`` turns it off (to measure it).
 """
 
 from __future__ import annotations
@@ -71,26 +60,11 @@ logger = logging.getLogger("paged_ops")
 
 Step = tuple[int, int]  # (T tokens, S sequences)
 OUR_MODULES = "paged_ops."  # kernels whose variants are recorded (others compile as usual)
-# kernels that run (compiling in this process if they must) even while recording: the step's
-# metadata copy, whose output later kernels index memory with
-ALWAYS_RUN = ("paged_ops.backends.triton_copy_kernels",)
 CHILD = "import sys; from paged_ops.engine.variant_prebuild import main; sys.exit(main())"
-MAX_WORKERS = 4  # child processes compiling at once (each also takes a core while it imports)
 
 
 def enabled() -> bool:
     return os.environ.get("PAGED_OPS_PREBUILD_VARIANTS", "1") != "0"
-
-
-def later_steps_enabled() -> bool:
-    """Whether the warm-up records and prebuilds its later steps' variants (module docstring)."""
-    return enabled() and os.environ.get("PAGED_OPS_PREBUILD_STEPS", "1") != "0"
-
-
-def num_workers() -> int:
-    """Child processes to compile with: a quarter of the host's cores, 1 to :data:`MAX_WORKERS`
-    (the main process compiles the model beside them, with Inductor's own workers)."""
-    return max(1, min(MAX_WORKERS, (os.cpu_count() or 1) // 4))
 
 
 def _steps_per_variant(pa: PagedAttention, steps: Sequence[Step]) -> list[tuple[int, Step]]:
@@ -207,12 +181,10 @@ def _call_linears(weights: Sequence[torch.Tensor], steps: Sequence[Step]) -> int
 
 
 @contextlib.contextmanager
-def recording_variants(always_run: Sequence[str] = ()) -> Iterator[list[dict[str, str]]]:
+def recording_variants() -> Iterator[list[dict[str, str]]]:
     """Within the block, a paged_ops Triton kernel launched with a variant this process has not
     built is recorded and neither compiled nor launched (Triton's ``jit_cache_hook`` returns
-    True); other kernels, and ours in the modules ``always_run``, compile as usual. (The hook
-    comes before Triton's disk cache: a variant on disk but not yet in this process is recorded
-    too, and the child finds it there.) Yields the records: ``{"module", "name", "data"}``
+    True); other kernels compile as usual. Yields the records: ``{"module", "name", "data"}``
     with ``data`` Triton's serialized specialization (``JITFunction.preload``'s input)."""
     from triton import knobs
 
@@ -223,7 +195,7 @@ def recording_variants(always_run: Sequence[str] = ()) -> Iterator[list[dict[str
     def hook(**kwargs: Any) -> bool | None:
         fn = kwargs["fn"].jit_function.fn
         module = getattr(fn, "__module__", "") or ""
-        if not module.startswith(OUR_MODULES) or module in always_run:
+        if not module.startswith(OUR_MODULES):
             return before(**kwargs) if before is not None else None
         data = kwargs["compile"]["specialization_data"]
         if data not in seen:
@@ -247,123 +219,51 @@ def current_target() -> dict[str, Any]:
 
 @dataclasses.dataclass
 class Prebuild:
-    """Child processes (workers) compiling recorded variants into Triton's on-disk cache, a batch
-    at a time: :meth:`wait` for the batch :func:`spawn` gave them, :meth:`more` for another,
-    :meth:`close` when done (``wait`` closes by default)."""
+    """A child process compiling recorded variants; :meth:`wait` for it."""
 
-    processes: list[subprocess.Popen]
+    process: subprocess.Popen
     workdir: Path
-    num_variants: int  # of the batch in progress
-    batches: int = 1  # batches sent so far
+    num_variants: int
 
-    @property
-    def process(self) -> subprocess.Popen:
-        """The first worker."""
-        return self.processes[0]
-
-    def wait(self, timeout_s: float = 300.0, close: bool = True) -> int:
-        """Wait for the batch in progress (the workers are killed after ``timeout_s``); returns
-        the variants built or found in Triton's cache. Variants not built are logged (INFO) with
-        the first reason. ``close=False`` keeps the workers for :meth:`more`."""
-        deadline = time.monotonic() + timeout_s
+    def wait(self, timeout_s: float = 300.0) -> int:
+        """Wait for the child (killed after ``timeout_s``); returns the variants it compiled or
+        found in Triton's cache. Variants not built are logged (INFO) with the first reason."""
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            logger.debug("variant prebuild: the child took more than %.0f s; killed", timeout_s)
+            return 0
         built, why = 0, ""
-        for process in self.processes:
-            result, err = self._result(process, deadline)
-            if result is None:
-                why = why or err
-                continue
-            built += int(result["built"])
-            failed = result.get("failed", [])
-            why = why or (failed[0] if failed else "")
+        try:
+            result = json.loads((self.workdir / "result.json").read_text())
+            built, failed = int(result["built"]), result.get("failed", [])
+            why = failed[0] if failed else ""
+        except (OSError, ValueError, KeyError) as e:
+            err = (self.workdir / "stderr.txt").read_text(errors="replace")[-1500:]
+            why = f"no result from the child ({e!r}): {err}"
         if built < self.num_variants:  # costs start-up time only: the steps compile the rest
             logger.info("variant prebuild: %d of %d kernel variants built; %s",
                         built, self.num_variants, why)  # fmt: skip
-        if close:
-            self.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
         return built
 
-    def _result(self, process: subprocess.Popen, deadline: float) -> tuple[dict | None, str]:
-        """One worker's result line for the batch in progress, or None and why (a worker past
-        the deadline is killed, and the workdir goes with :meth:`close`)."""
-        import select
 
-        if process.stdout is None or process.stdout.closed:
-            return None, "the worker has stopped"
-        ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            logger.debug("variant prebuild: a worker took longer than allowed; killed")
-            self._kill()
-            return None, "a worker took longer than allowed"
-        line = process.stdout.readline()
-        try:
-            return json.loads(line), ""
-        except ValueError as e:
-            err = ""
-            with contextlib.suppress(OSError):
-                index = self.processes.index(process)
-                err = (self.workdir / f"stderr-{index}.txt").read_text(errors="replace")[-1500:]
-            return None, f"no result from the child ({e!r}): {err}"
-
-    def more(self, records: list[dict[str, str]], timeout_s: float = 300.0) -> int:
-        """Compile another batch of records on the workers (split among them) and wait for it;
-        returns the variants built, as :meth:`wait`. The workers stay for the next batch."""
-        alive = [p for p in self.processes if p.poll() is None and p.stdin is not None]
-        if not records or not alive:
-            return 0
-        self.processes, self.num_variants = alive, len(records)
-        for index, process in enumerate(alive):
-            path = self.workdir / f"jobs-{self.batches}-{index}.json"
-            path.write_text(json.dumps({"records": records[index :: len(alive)]}))
-            try:
-                process.stdin.write(f"{path}\n".encode())
-                process.stdin.flush()
-            except OSError:  # a worker that died: its result says so
-                pass
-        self.batches += 1
-        return self.wait(timeout_s, close=False)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """End the workers (they exit at the end of their input) and remove the workdir."""
-        for process in self.processes:
-            with contextlib.suppress(OSError):
-                if process.stdin is not None:
-                    process.stdin.close()
-        deadline = time.monotonic() + timeout_s
-        for process in self.processes:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            if process.stdout is not None:
-                process.stdout.close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def _kill(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-
-
-def spawn(records: list[dict[str, str]], target: dict[str, Any], workers: int = 1) -> Prebuild:
-    """Start ``workers`` child processes that compile ``records`` (split among them) for
-    ``target`` into Triton's on-disk cache, then wait for more (:meth:`Prebuild.more`)."""
+def spawn(records: list[dict[str, str]], target: dict[str, Any]) -> Prebuild:
+    """Start the child that compiles ``records`` for ``target`` into Triton's on-disk cache."""
     workdir = Path(tempfile.mkdtemp(prefix="paged_ops_prebuild_"))
-    (workdir / "target.json").write_text(json.dumps(target))
-    workers = max(1, min(workers, len(records)))
-    processes = []
-    for index in range(workers):
-        jobs = workdir / f"jobs-0-{index}.json"
-        jobs.write_text(json.dumps({"records": records[index::workers]}))
-        with open(workdir / f"stderr-{index}.txt", "wb") as err:
-            processes.append(subprocess.Popen(
-                [sys.executable, "-c", CHILD, str(jobs)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                env={**os.environ, "TRITON_INTERPRET": "0",  # imports as this process does:
-                     "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
-            ))  # fmt: skip
-    return Prebuild(processes, workdir, len(records))
+    jobs = workdir / "jobs.json"
+    jobs.write_text(json.dumps({"target": target, "records": records}))
+    with open(workdir / "stderr.txt", "wb") as err:
+        process = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(workdir)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+            env={**os.environ, "TRITON_INTERPRET": "0",  # imports as this process does:
+                 "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+        )  # fmt: skip
+    return Prebuild(process, workdir, len(records))
 
 
 def start(
@@ -390,7 +290,7 @@ def start(
             _call_linears(linear_weights, steps)
         if not records:
             return None
-        return spawn(records, current_target(), num_workers())
+        return spawn(records, current_target())
     except Exception as e:  # noqa: BLE001 - the steps compile what is missing, as without it
         logger.debug("variant prebuild did not start: %r", e)
         return None
@@ -436,18 +336,10 @@ def compile_records(records: list[dict[str, str]], target: dict[str, Any]) -> di
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """A worker (``python -c CHILD JOBS``): compiles the records of the jobs file ``JOBS`` (its
-    directory's ``target.json`` names the target) and writes the result as one JSON line on
-    stdout; then the same for each jobs file named by a line of stdin, until its end."""
-    jobs = Path((sys.argv[1:] if argv is None else argv)[0])
-    target = json.loads((jobs.parent / "target.json").read_text())
-    out = os.fdopen(os.dup(1), "w")  # the results' channel; anything else printed goes to stderr
-    os.dup2(2, 1)
-    while True:
-        records = json.loads(jobs.read_text())["records"]
-        out.write(json.dumps(compile_records(records, target)) + "\n")
-        out.flush()
-        line = sys.stdin.readline()
-        if not line.strip():
-            return 0
-        jobs = Path(line.strip())
+    """The child (``python -c CHILD WORKDIR``): compiles ``WORKDIR/jobs.json``'s records and
+    writes ``WORKDIR/result.json``."""
+    workdir = Path((sys.argv[1:] if argv is None else argv)[0])
+    jobs = json.loads((workdir / "jobs.json").read_text())
+    result = compile_records(jobs["records"], jobs["target"])
+    (workdir / "result.json").write_text(json.dumps(result))
+    return 0
