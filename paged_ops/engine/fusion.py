@@ -283,9 +283,10 @@ def cond_on_one_token(
     graph serves every step. With concrete sizes (eager) it is a plain call. Both branches
     return tuples of tensors (Inductor's lowering of ``cond`` needs them).
 
-    ``conds=False`` (``LLM(fold_conds=False)``): no ``cond``; ``one_token`` serves every step,
-    its ops choosing their kernels from the row count when they run. AOTAutograd and Inductor
-    then see one opaque op where a ``cond`` had two traced branches (compile time)."""
+    ``conds=False`` (``LLM(fold_conds=False)``, the LLM's default): no ``cond``; ``one_token``
+    serves every step, its ops choosing their kernels from the row count when they run.
+    AOTAutograd and Inductor then see one opaque op where a ``cond`` had two traced branches
+    (compile time; and a graph with a ``cond`` bypasses their caches)."""
     if not conds:
         return one_token(*operands)
     rows = math.prod(tokens.shape[:-1])
