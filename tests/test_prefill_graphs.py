@@ -37,6 +37,20 @@ def test_default_prefill_graphs_only_where_the_decode_graphs_are_already_past_th
             prefill_graph_steps(256, 4096, 13, bad)
 
 
+@pytest.mark.parametrize(("max_num_seqs", "max_num_tokens"), [(72, 2048), (256, 4096), (256, 2048)])
+def test_the_default_graphs_hold_every_step_up_to_a_power_of_two_max_num_tokens(
+    max_num_seqs, max_num_tokens
+):
+    # a non-decode step of T tokens over s <= min(T, max_num_seqs) sequences (each sequence has
+    # a token in the step) fits a default graph: no such step is launched from Python, so the
+    # graph pool and the eager steps' activations are never needed at once (NOTES section 38)
+    steps = prefill_graph_steps(max_num_seqs, max_num_tokens, FAST_MODE_GRAPHS + 1)
+    assert steps[-1][0] == max_num_tokens
+    for t in range(2, max_num_tokens + 1):
+        seqs = min(t, max_num_seqs)  # the most sequences a step of t tokens can hold
+        assert any(t <= gt and seqs <= gs for gt, gs in steps), (t, seqs)
+
+
 @pytest.mark.parametrize(
     ("tokens", "error", "match"),
     [
