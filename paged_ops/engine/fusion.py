@@ -347,7 +347,7 @@ def compile_backend(
     on_norms_fused: Callable[[int], None] | None = None,
     on_mlps_fused: Callable[[int], None] | None = None,
     on_ropes_fused: Callable[[int], None] | None = None,
-    rope_in_attention: bool = False,
+    rope_in_attention: bool = True,
     fold_conds: bool = False,
 ) -> Callable:
     """A ``torch.compile`` backend: :func:`fuse_linears` (``fuse``), then with ``small_linears``

@@ -302,9 +302,10 @@ class LLM:
             embedding goes into the attention op instead (``paged_ops::write_kv_and_attend``'s
             ``rope_cos``/``rope_sin``): the decode kernel rotates the query rows it loads and the
             key it writes, other steps rotate q and k in one launch first; every layer's RoPE
-            kernel is gone, layer 0's included. Off by default until measured end to end: a
-            256-sequence decode graph on an H200 is 1.9% shorter with it, batch 1's the same
-            (benchmarks/NOTES.md section 34).
+            kernel is gone, layer 0's included. On by default (H200, three alternating pairs of
+            processes: 64 requests +2.0%, 256 requests +0.5%, batch 1 equal; a 256-sequence
+            step's kernels -2.2%; benchmarks/NOTES.md section 39); False keeps the rotation in
+            the q/k/v GEMV's epilogue (one-token steps) and a RoPE kernel (other steps).
         fold_conds: with ``small_linears``, how the one-token folds (norm, RoPE, SiLU-mul into
             the GEMVs) meet steps of several tokens. False (default): each fold is one op that
             picks its kernels when it runs (one token: the fused GEMV; more: one add + RMSNorm,
@@ -403,7 +404,7 @@ class LLM:
         small_linears: bool | None = None,
         compile_regions: bool = False,
         rope_tables: bool = True,
-        rope_in_attention: bool = False,
+        rope_in_attention: bool = True,
         fold_conds: bool = False,
         precompile: bool | None = None,
         kv_cache_dtype: str | torch.dtype | None = None,

@@ -230,7 +230,7 @@ class ModelRunner:
             (:mod:`paged_ops.engine.norm_fusion`). ``LLM`` turns it on for CUDA models; off here
             unless asked.
         rope_in_attention: with ``small_linears``, q and k's RoPE goes into
-            ``paged_ops::write_kv_and_attend`` (:mod:`paged_ops.engine.rope_fusion`).
+            ``paged_ops::write_kv_and_attend`` (the default; :mod:`paged_ops.engine.rope_fusion`).
         fold_conds: with ``small_linears``, each fold is a ``cond`` on the step's size (True) or
             one op that picks its kernels when it runs (False, the default;
             :func:`paged_ops.engine.fusion.cond_on_one_token`).
@@ -272,7 +272,7 @@ class ModelRunner:
         cuda_graphs: bool,
         fuse_projections: bool = True,
         small_linears: bool = False,
-        rope_in_attention: bool = False,
+        rope_in_attention: bool = True,
         fold_conds: bool = False,
         compile_regions: bool = False,
         rope_tables: bool = True,
