@@ -179,6 +179,21 @@ def test_bench_linear_times_the_down_projection_with_its_silu_mul(tmp_path):
     assert result["sweep"][0]["layer"] == "down" and result["sweep"][0]["best_us"] > 0
 
 
+def test_probe_reduce_norm_checks_its_fused_kernel_against_the_engines_pair(tmp_path):
+    # the split-K reduce + residual add + RMSNorm in one kernel, bitwise against the engine's two
+    # launches (interpreter, small rows; the script exits non-zero when they differ)
+    pytest.importorskip("triton")
+    out = tmp_path / "reduce_norm.json"
+    cmd = [sys.executable, str(BENCH / "probe_reduce_norm.py"), "--rows", "3,4", "--hidden", "96",
+           "--check-only", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["rows"], r["bitwise_equal"]) for r in rows] == [(3, True), (4, True)]
+    assert all(r["split_k"] >= 2 for r in rows)
+
+
 def test_llm_keywords_keep_lists_whole():
     # --llm "cuda_graph_sizes=[1,64,256],overlap=False": commas inside brackets do not split
     sys.path.insert(0, str(BENCH))
