@@ -4,11 +4,11 @@ In a decode step of 64-256 sequences the down projection runs ``split_k_gemm`` (
 ``[SPLIT_K, M, N]``, then ``split_k_reduce_kernel``) and the next layer's q/k/v projection starts
 with ``add_rms_norm_kernel`` (``h = down + residual``, ``y = rms_norm(h) * g``): two launches
 and a boundary per layer. This probe times, in CUDA-graph replays, the two launches as the
-engine makes them against one kernel (defined here, not used by the library) that owns whole
-rows: sums the partials in the reduce's order, rounds to the model's dtype, adds the residual,
-normalises, and writes ``h`` and ``y`` (bitwise equal to the pair; checked). It prints us per
-call and writes JSON; the gain per layer bounds what a graph pass fusing ``silu_mul_linear`` with
-the next ``add_rms_norm_linear`` could save (benchmarks/NOTES.md section 39).
+engine makes them against one kernel that owns whole rows
+(``triton_norm_linear_kernels.reduce_add_rms_norm_kernel``, what ``LLM(down_norm_fusion=True)``
+launches): it sums the partials in the reduce's order, rounds to the model's dtype, adds the
+residual, normalises, and writes ``h`` and ``y`` (bitwise equal to the pair; checked), at 4, 8
+and 16 warps. It prints us per call and writes JSON (benchmarks/NOTES.md section 39).
 
     python benchmarks/probe_reduce_norm.py --rows 64,128,256 --out results/probe_reduce_norm.json
     TRITON_INTERPRET=1 python benchmarks/probe_reduce_norm.py --rows 4 --check-only   # CPU
@@ -23,43 +23,14 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from paged_ops.backends.triton_gemm_kernels import gemm_config  # noqa: E402
 from paged_ops.backends.triton_linear_kernels import split_k_reduce_kernel  # noqa: E402
-from paged_ops.backends.triton_norm_linear_kernels import add_rms_norm  # noqa: E402
-
-
-@triton.jit
-def reduce_add_rms_norm_kernel(
-    part_ptr,  # [SPLIT_K, M, K] float32 partials of the down projection
-    res_ptr,  # [M, K] the residual stream
-    g_ptr,  # [K]
-    h_ptr,  # [M, K] out: down + residual
-    y_ptr,  # [M, K] out: rms_norm(h) * g
-    M,
-    K,
-    eps,
-    SPLIT_K: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # >= K
-):
-    row = tl.program_id(0).to(tl.int64)
-    kk = tl.arange(0, BLOCK_K)
-    ok = kk < K
-    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):  # the reduce kernel's order: the same bits
-        acc += tl.load(part_ptr + (s * M + row) * K + kk, mask=ok, other=0.0)
-    r = tl.load(res_ptr + row * K + kk, mask=ok, other=0.0)
-    x = acc.to(r.dtype)  # the reduce's output, rounded as it stores it
-    h = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
-    tl.store(h_ptr + row * K + kk, h, mask=ok)
-    hf = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
-    normed = (hf * rstd).to(r.dtype)
-    g = tl.load(g_ptr + kk, mask=ok, other=0.0)
-    y = (normed.to(tl.float32) * g.to(tl.float32)).to(r.dtype)
-    tl.store(y_ptr + row * K + kk, y, mask=ok)
+from paged_ops.backends.triton_norm_linear_kernels import (  # noqa: E402
+    add_rms_norm,
+    reduce_add_rms_norm_kernel,
+)
 
 
 def pair(part, residual, g, eps):  # noqa: ANN001, ANN201 - the engine's two launches
@@ -76,7 +47,7 @@ def fused(part, residual, g, eps, warps: int = 8):  # noqa: ANN001, ANN201
     split, m, n = part.shape
     h, y = residual.new_empty((m, n)), residual.new_empty((m, n))
     reduce_add_rms_norm_kernel[(m,)](
-        part, residual, g, h, y, m, n, eps, SPLIT_K=split,
+        part, residual, g, h, y, m, n, residual.stride(0), eps, SPLIT_K=split,
         BLOCK_K=triton.next_power_of_2(n), num_warps=warps,
     )  # fmt: skip
     return h, y

@@ -25,6 +25,7 @@ from paged_ops.engine import (
 from paged_ops.linear import small_linear
 from paged_ops.metadata import AttentionMetadata, MetadataBuilder, SequenceSlice
 from paged_ops.mlp_linear import silu_mul_linear
+from paged_ops.mlp_norm_linear import silu_mul_add_rms_norm_linear
 from paged_ops.module import LayerConfig, PagedAttention
 from paged_ops.norm_linear import add_rms_norm_linear
 from paged_ops.ops import paged_attention, write_kv
@@ -53,6 +54,7 @@ __all__ = [
     "configure_compile_caches",
     "greedy_argmax",
     "paged_attention",
+    "silu_mul_add_rms_norm_linear",
     "silu_mul_linear",
     "small_linear",
     "write_kv",

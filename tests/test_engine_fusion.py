@@ -402,3 +402,54 @@ def test_mlp_fusion_under_inductor_splits_views_and_serves_both_branches(monkeyp
             torch.testing.assert_close(compiled(x), mlp(x), rtol=1e-5, atol=1e-5)
             assert len(launches) == (t == 1)
     assert mlps == [1] and counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("split_k_route", [False, True], ids=["cpu_routes", "split_k_forced"])
+def test_mlp_fusion_of_the_down_projection_with_the_next_norm_keeps_the_engines_tokens(
+    split_k_route, monkeypatch
+):
+    # (named for mlp_fusion: the torch 2.11 leg, whose triton cannot interpret, skips those)
+    # LLM(down_norm_fusion=True): each layer's down projection but the last becomes one op with
+    # the next layer's norm-fed q/k/v projection (paged_ops::silu_mul_add_rms_norm_linear); the
+    # engine's greedy tokens and logprobs equal the same engine without it, also where every
+    # projection of >= 17 rows takes the split-K GEMM (forced: a Hopper graph step's route), so
+    # that the prompt steps' down projections reduce their partials in the norm kernel
+    from engine_models import prompts_of, tiny_llama
+
+    from paged_ops import LLM, SamplingParams, linear
+    from paged_ops.backends import triton_norm_linear_kernels as norm_kernels
+    from paged_ops.engine import runner
+
+    pytest.importorskip("paged_ops.backends.triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
+    monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
+    if split_k_route:
+        from paged_ops.backends.triton_gemm_kernels import GemmConfig
+
+        config = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=2, num_stages=2)
+        monkeypatch.setattr(linear, "_graph_step", lambda x: True)
+        monkeypatch.setattr(
+            linear, "_split_k_gemm_config", lambda x2d, w: config if x2d.shape[0] >= 17 else None
+        )
+    fused_reduces: list[int] = []
+    launch = norm_kernels.reduce_add_rms_norm
+    monkeypatch.setattr(
+        norm_kernels, "reduce_add_rms_norm", lambda *a: fused_reduces.append(1) or launch(*a)
+    )
+    prompts = prompts_of([19, 3], seed=6)
+    params = SamplingParams(max_new_tokens=4, logprobs=1)
+    kwargs = dict(backend="triton", block_size=4, max_num_seqs=2, max_model_len=40,
+                  num_blocks=32, compile=True, small_linears=True)  # fmt: skip
+    outs = {}
+    for fuse in (False, True):
+        torch._dynamo.reset()
+        llm = LLM(tiny_llama(seed=7, layers=3), down_norm_fusion=fuse, **kwargs)
+        assert llm.runner.num_fused_down_norms == (2 if fuse else 0)  # layers 0-1 into 1-2
+        outs[fuse] = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+                      for o in llm.generate(prompts, params, use_tqdm=False)]  # fmt: skip
+        llm.close()
+        if not fuse:
+            assert fused_reduces == []
+    assert outs[True] == outs[False]
+    assert bool(fused_reduces) == split_k_route  # the 19-token prompt's step fused its reduces

@@ -108,12 +108,15 @@ def split_k_gemm(
     weight: torch.Tensor,  # [N, K], same
     bias: torch.Tensor | None = None,  # [N]
     config: GemmConfig | None = None,
-) -> torch.Tensor:  # [M, N], x's dtype
+    reduce: bool = True,
+) -> torch.Tensor:  # [M, N], x's dtype; [SPLIT_K, M, N] float32 with reduce=False
     """Launch the GEMM (and the split-K reduce): ``x @ weight.T + bias``, shapes unchecked.
 
     Inputs are validated by :func:`paged_ops.linear.small_linear`, which also decides when this
     kernel serves (TMA needs 16-byte aligned bases and row strides); benchmarks call it with an
-    explicit ``config``.
+    explicit ``config``. ``reduce=False`` (a split of at least 2, no bias) returns the float32
+    partials for a kernel that sums them itself
+    (:func:`~paged_ops.backends.triton_norm_linear_kernels.reduce_add_rms_norm`).
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -122,6 +125,8 @@ def split_k_gemm(
     if config is None:
         config = gemm_config(m, n, k, num_sms_of(x.device))
     split = config.split_k
+    if not reduce and (split < 2 or bias is not None):
+        raise ValueError(f"reduce=False needs split_k >= 2 and no bias, got {config}, bias {bias}")
     k_per_split = cdiv(k, split * config.block_k) * config.block_k
     x_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
@@ -135,6 +140,8 @@ def split_k_gemm(
         BLOCK_K=config.block_k, SPLIT_K=split, NUM_STAGES=config.num_stages,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
+    if not reduce:
+        return target  # [SPLIT_K, M, N] float32
     if split > 1:
         block = 1024
         launcher(split_k_reduce_kernel)[(cdiv(m * n, block),)](

@@ -19,6 +19,12 @@ the GEMV:
 - :func:`add_rms_norm_kernel` (any ``M``): one program per row writes ``h`` and the normalised
   row, rounded as the model rounds it (``(h * rsqrt(...)).to(dtype) * g``); the projection
   then runs as ``small_linear``/``F.linear`` would.
+- :func:`reduce_add_rms_norm_kernel` (any ``M``, ``LLM(down_norm_fusion=True)``): the same, its
+  ``x`` being the sum of a split-K GEMM's float32 partials (a gated MLP's down projection at
+  64-256 rows, ``paged_ops::silu_mul_add_rms_norm_linear``): the partials summed in the split-K
+  reduce's order and rounded as it stores them, so ``h`` and ``y`` are bitwise what the reduce
+  kernel and :func:`add_rms_norm_kernel` give, in one launch instead of two (H200: 2.1-2.7 vs
+  3.1-4.0 us at 64-256 rows of 2,048; benchmarks/NOTES.md section 39).
 
 The one-row kernel scales after the sum, so its result differs from the model's (which rounds the
 normalised row to the dtype before ``* g`` and the matmul) by that rounding: bfloat16 noise.
@@ -134,6 +140,38 @@ def add_rms_norm_kernel(
     tl.store(y_ptr + row * K + kk, y, mask=ok)
 
 
+@triton.jit
+def reduce_add_rms_norm_kernel(
+    part_ptr,  # [SPLIT_K, M, K] float32 partials of the projection whose sum is x
+    res_ptr,  # [M, K]
+    g_ptr,  # [K]
+    h_ptr,  # [M, K] out: x + residual
+    y_ptr,  # [M, K] out: the normalised row times g
+    M,
+    K,
+    stride_r,
+    eps,
+    SPLIT_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= K
+):
+    row = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    ok = kk < K
+    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # split_k_reduce_kernel's order: the same bits
+        acc += tl.load(part_ptr + (s * M + row) * K + kk, mask=ok, other=0.0)
+    r = tl.load(res_ptr + row * stride_r + kk, mask=ok, other=0.0)
+    x = acc.to(r.dtype)  # the projection's output, rounded as the reduce stores it
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+    tl.store(h_ptr + row * K + kk, h, mask=ok)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
+    normed = (hf * rstd).to(r.dtype)
+    g = tl.load(g_ptr + kk, mask=ok, other=0.0)
+    y = (normed.to(tl.float32) * g.to(tl.float32)).to(r.dtype)
+    tl.store(y_ptr + row * K + kk, y, mask=ok)
+
+
 GEMV_BLOCK_N = 8  # rows of W per program (small_linear's one-row FMA choice)
 GEMV_TILE_BYTES = 1024  # bytes of each W row per K step
 GEMV_STAGES = 3
@@ -192,5 +230,26 @@ def add_rms_norm(
     launcher(add_rms_norm_kernel)[(m,)](
         x, residual, norm_weight, h, y, k, x.stride(0), residual.stride(0), eps,
         BLOCK_K=block_k, num_warps=max(1, min(16, block_k // 256)),
+    )  # fmt: skip
+    return h, y
+
+
+def reduce_add_rms_norm(
+    partials: torch.Tensor,  # [SPLIT_K, M, K] float32, contiguous
+    residual: torch.Tensor,  # [M, K], last stride 1
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # h [M, K], y [M, K]
+    """``x = partials.sum(0)`` rounded to residual's dtype (as ``split_k_reduce_kernel`` stores
+    it), ``h = x + residual`` and ``y = rms_norm(h) * norm_weight`` as :func:`add_rms_norm`
+    gives them: one launch of one program per row (8 warps: H200 probe, NOTES.md section 39)."""
+    split, m, k = partials.shape
+    h = residual.new_empty((m, k))
+    y = residual.new_empty((m, k))
+    if m == 0:
+        return h, y
+    launcher(reduce_add_rms_norm_kernel)[(m,)](
+        partials, residual, norm_weight, h, y, m, k, residual.stride(0), eps,
+        SPLIT_K=split, BLOCK_K=next_power_of_2(k), num_warps=8,
     )  # fmt: skip
     return h, y

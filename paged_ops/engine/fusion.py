@@ -349,6 +349,8 @@ def compile_backend(
     on_ropes_fused: Callable[[int], None] | None = None,
     rope_in_attention: bool = True,
     fold_conds: bool = False,
+    down_norm_fusion: bool = False,
+    on_down_norms_fused: Callable[[int], None] | None = None,
 ) -> Callable:
     """A ``torch.compile`` backend: :func:`fuse_linears` (``fuse``), then with ``small_linears``
     :func:`~paged_ops.engine.norm_fusion.fuse_norm_linears` (residual add + RMSNorm + the
@@ -363,7 +365,9 @@ def compile_backend(
     ``on_mlps_fused`` how many SiLU-mul products went into down projections, ``on_ropes_fused``
     how many q/k rotations moved (into the attention op with ``rope_in_attention``, else into
     the q/k/v projection). ``fold_conds`` is :func:`cond_on_one_token`'s ``conds`` for every
-    fold.
+    fold. ``down_norm_fusion`` (without ``fold_conds``) then fuses each down projection with the
+    next layer's norm-fed projection (:func:`~paged_ops.engine.mlp_fusion.fuse_down_norms`;
+    ``on_down_norms_fused`` is told how many).
     While Inductor autotunes GEMMs (``max_autotune`` or
     ``max_autotune_gemm`` in ``torch._inductor.config`` when the graph is compiled), nothing is
     fused: its autotuner times each matmul on fresh inputs sized from the graph's own inputs, and a
@@ -394,6 +398,12 @@ def compile_backend(
             mlps = fuse_silu_mul_linears(gm, max_out_features, conds=fold_conds)
             if on_mlps_fused is not None:
                 on_mlps_fused(mlps)
+            if down_norm_fusion and not fold_conds:
+                from paged_ops.engine.mlp_fusion import fuse_down_norms
+
+                down_norms = fuse_down_norms(gm)
+                if on_down_norms_fused is not None:
+                    on_down_norms_fused(down_norms)
             rerouted = route_small_linears(gm, max_out_features)
             if on_rerouted is not None:
                 on_rerouted(rerouted)

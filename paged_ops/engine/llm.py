@@ -317,6 +317,14 @@ class LLM:
             prompt steps replayed from prefill graphs (above 64 sequences) throughput is the
             same (256 requests 97,075-99,240 vs 94,240-98,062 tok/s); a prompt step launched
             from Python (64 sequences or fewer) takes ~1 ms more host time with False.
+        down_norm_fusion: with ``small_linears`` and ``fold_conds=False``, each gated MLP's down
+            projection and the next layer's norm-fed projection (one stacked weight, no RoPE
+            folded into it: with ``rope_in_attention``) become one op
+            (``paged_ops.silu_mul_add_rms_norm_linear``, the same values): where the down
+            projection takes the split-K GEMM (64-256 rows on Hopper, in CUDA graphs) one kernel
+            sums its partials, adds the residual and normalises, in place of two (H200 kernel
+            probe: 2.1-2.7 vs 3.1-4.0 us per layer, ~1% of such a decode step; benchmarks/NOTES.md
+            section 39). Off by default: not yet measured end to end or tested on a GPU.
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward; identical layers are served
             by Inductor's and AOTAutograd's caches, so the first start compiles one layer's
@@ -406,6 +414,7 @@ class LLM:
         rope_tables: bool = True,
         rope_in_attention: bool = True,
         fold_conds: bool = False,
+        down_norm_fusion: bool = False,
         precompile: bool | None = None,
         kv_cache_dtype: str | torch.dtype | None = None,
         calculate_kv_scales: bool | None = None,
@@ -426,6 +435,7 @@ class LLM:
             rope_tables=rope_tables,
             rope_in_attention=rope_in_attention,
             fold_conds=fold_conds,
+            down_norm_fusion=down_norm_fusion,
             precompile=precompile,
         )
         given = dict(
@@ -541,6 +551,7 @@ class LLM:
             rope_tables=flags["rope_tables"],
             rope_in_attention=flags["rope_in_attention"],
             fold_conds=flags["fold_conds"],
+            down_norm_fusion=flags["down_norm_fusion"],
         )
         spec = self.speculative
         self.runner = ModelRunner(

@@ -174,3 +174,70 @@ def fuse_silu_mul_linears(
         graph.lint()
         gm.recompile()
     return fused
+
+
+def down_norm_projections(
+    residual: torch.Tensor,  # [..., H] the residual stream
+    gate_up: torch.Tensor,  # [..., 2I] the gate/up projection's output
+    down_weight: torch.Tensor,  # [H, I]
+    g: torch.Tensor,  # [H] the next norm's weight
+    eps: float,
+    weight: torch.Tensor,  # [N, H] the projection that reads the norm
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [..., N], h [..., H]
+    """What :func:`fuse_down_norms` puts in the graph: ``silu_mul_projection`` then the next
+    layer's ``norm_projections`` of one weight, as ``paged_ops::silu_mul_add_rms_norm_linear``
+    (the same values; one kernel fewer where the down projection takes the split-K GEMM)."""
+    gate, up = gate_up.chunk(2, -1)  # [..., I] each: views
+    return torch.ops.paged_ops.silu_mul_add_rms_norm_linear.default(
+        gate, up, down_weight, residual, g, eps, weight
+    )
+
+
+def _lone_down(node: Any) -> bool:
+    """A ``silu_mul_projection`` without ``cond`` read by one node."""
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target is silu_mul_projection
+        and node.kwargs == {"conds": False}
+        and len(node.users) == 1
+    )
+
+
+def fuse_down_norms(gm: fx.GraphModule) -> int:
+    """Replace each ``silu_mul_projection`` (without ``cond``) whose only reader is a
+    ``norm_projections`` (without ``cond``) of one weight by one :func:`down_norm_projections`
+    call (``LLM(down_norm_fusion=True)``, :mod:`paged_ops.mlp_norm_linear`); returns the pairs
+    fused. Run after :func:`fuse_silu_mul_linears` and the norm pass; the last layer's down
+    projection (read by the final norm) and a norm whose projections were not stacked stay."""
+    import paged_ops.mlp_norm_linear  # noqa: F401  (registers the op)
+    from paged_ops.engine.norm_fusion import norm_projections
+
+    graph = gm.graph
+    fused = 0
+    for norm in list(graph.nodes):
+        if norm.op != "call_function" or norm.target is not norm_projections:
+            continue
+        if norm.kwargs != {"conds": False} or len(norm.args) != 5:
+            continue
+        a, b, g, eps, weight = norm.args
+        if _lone_down(b):
+            down, residual = b, a
+        elif _lone_down(a):
+            down, residual = a, b
+        else:
+            continue
+        gate_up, down_weight = down.args
+        with graph.inserting_before(norm):
+            call = graph.call_function(
+                down_norm_projections, (residual, gate_up, down_weight, g, eps, weight)
+            )
+        call.meta.update(norm.meta)
+        norm.replace_all_uses_with(call)
+        graph.erase_node(norm)
+        graph.erase_node(down)
+        fused += 1
+    if fused:
+        graph.lint()
+        gm.recompile()
+    return fused

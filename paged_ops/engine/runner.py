@@ -234,6 +234,10 @@ class ModelRunner:
         fold_conds: with ``small_linears``, each fold is a ``cond`` on the step's size (True) or
             one op that picks its kernels when it runs (False, the default;
             :func:`paged_ops.engine.fusion.cond_on_one_token`).
+        down_norm_fusion: with ``small_linears`` and without ``fold_conds``, each gated MLP's down
+            projection and the next layer's norm-fed projection become one op
+            (:mod:`paged_ops.mlp_norm_linear`: the split-K GEMM's reduce and the add + RMSNorm
+            in one kernel where the GEMM serves).
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward: the identical layers are
             served by the compile caches (:mod:`paged_ops.engine.regions`; a shorter first
@@ -274,6 +278,7 @@ class ModelRunner:
         small_linears: bool = False,
         rope_in_attention: bool = True,
         fold_conds: bool = False,
+        down_norm_fusion: bool = False,
         compile_regions: bool = False,
         rope_tables: bool = True,
         verify_tokens: int = 0,
@@ -307,6 +312,7 @@ class ModelRunner:
         self.num_fused_norms = 0  # RMSNorms computed inside paged_ops::add_rms_norm_linear
         self.num_fused_mlps = 0  # SiLU-mul products computed inside paged_ops::silu_mul_linear
         self.num_fused_ropes = 0  # q/k rotations moved into the attention op or the projection
+        self.num_fused_down_norms = 0  # down projections fused with the next norm (one op)
         # precompile_dir: the saved forward's path, the function it compiled (or None until the
         # first step), whether it was loaded (checked against eager at the first warm-up step)
         self.precompiled_path: Path | None = None
@@ -334,6 +340,8 @@ class ModelRunner:
                     small_linears=small_linears,
                     rope_in_attention=rope_in_attention,
                     fold_conds=fold_conds,
+                    down_norm_fusion=down_norm_fusion,
+                    on_down_norms_fused=_weak(self._count_down_norms),
                     max_out_features=SMALL_LINEAR_MAX_OUT,
                     on_rerouted=_weak(self._count_rerouted),
                     on_norms_fused=_weak(self._count_norms),
@@ -353,7 +361,8 @@ class ModelRunner:
                     options = dict(cuda_graphs=cuda_graphs, fuse_projections=fuse_projections,
                                    small_linears=small_linears, rope_tables=rope_tables,
                                    rope_in_attention=rope_in_attention,
-                                   fold_conds=fold_conds, verify_tokens=verify_tokens)  # fmt: skip
+                                   fold_conds=fold_conds, down_norm_fusion=down_norm_fusion,
+                                   verify_tokens=verify_tokens)  # fmt: skip
                     self._set_up_precompiled(precompile_dir, forward, backend, options)
             # on close(), or once a runner dropped without close() is collected
             self._evict_compiled = weakref.finalize(
@@ -492,6 +501,9 @@ class ModelRunner:
 
     def _count_ropes(self, fused: int) -> None:
         self.num_fused_ropes += fused
+
+    def _count_down_norms(self, fused: int) -> None:
+        self.num_fused_down_norms += fused
 
     def _model_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
