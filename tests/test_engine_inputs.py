@@ -69,6 +69,12 @@ def llm(base) -> LLM:
         (dict(compile="yes"), TypeError, "compile must be True, False or None"),
         (dict(overlap=1), TypeError, "overlap must be True or False"),
         (dict(small_linears="on"), TypeError, "small_linears must be True, False or None"),
+        (dict(down_norm_fusion=1), TypeError, "down_norm_fusion must be True or False"),
+        (
+            dict(down_norm_fusion=True, fold_conds=True),
+            ValueError,
+            "down_norm_fusion=True fuses the folds' ops.*pass fold_conds=False",
+        ),
         (dict(cuda_graph_sizes=8), TypeError, "cuda_graph_sizes must be a sequence of batch"),
         (dict(cuda_graph_sizes="1,8"), TypeError, "cuda_graph_sizes must be a sequence of batch"),
         (dict(cuda_graph_sizes=[]), ValueError, "at least one batch size, got an empty one"),

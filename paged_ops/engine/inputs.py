@@ -54,6 +54,11 @@ def check_llm_args(
         if not (isinstance(value, bool) or (name in _DEFAULTED_FLAGS and value is None)):
             allowed = "True, False or None" if name in _DEFAULTED_FLAGS else "True or False"
             raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
+    if flags.get("down_norm_fusion") and flags.get("fold_conds"):
+        raise ValueError(
+            "down_norm_fusion=True fuses the folds' ops, which fold_conds=True replaces by conds: "
+            "pass fold_conds=False (the default) with it"
+        )
     given = {k: v for k, v in sizes.items() if v is not None}
     for name, low in _MIN_SIZES.items():
         if name in given:
