@@ -113,6 +113,21 @@ def add_rms_norm_gemv_kernel(
 
 
 @triton.jit
+def _store_add_rms_norm(x, r, g_ptr, h_ptr, y_ptr, row, K, kk, ok, eps):
+    """Row ``row``'s ``h = x + r`` and ``y = rms_norm(h) * g`` (``x``, ``r``: ``[BLOCK_K]`` of
+    the model's dtype, ``kk``/``ok`` their columns and mask), stored rounded as the model rounds
+    them: the sum, then the normalised row before ``* g``."""
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    tl.store(h_ptr + row * K + kk, h, mask=ok)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
+    normed = (hf * rstd).to(x.dtype)  # the model rounds the normalised row, then multiplies by g
+    g = tl.load(g_ptr + kk, mask=ok, other=0.0)
+    y = (normed.to(tl.float32) * g.to(tl.float32)).to(x.dtype)
+    tl.store(y_ptr + row * K + kk, y, mask=ok)
+
+
+@triton.jit
 def add_rms_norm_kernel(
     x_ptr,  # [M, K]
     res_ptr,  # [M, K]
@@ -130,14 +145,7 @@ def add_rms_norm_kernel(
     ok = kk < K
     x = tl.load(x_ptr + row * stride_x + kk, mask=ok, other=0.0)
     r = tl.load(res_ptr + row * stride_r + kk, mask=ok, other=0.0)
-    h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    tl.store(h_ptr + row * K + kk, h, mask=ok)
-    hf = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
-    normed = (hf * rstd).to(x.dtype)  # the model rounds the normalised row, then multiplies by g
-    g = tl.load(g_ptr + kk, mask=ok, other=0.0)
-    y = (normed.to(tl.float32) * g.to(tl.float32)).to(x.dtype)
-    tl.store(y_ptr + row * K + kk, y, mask=ok)
+    _store_add_rms_norm(x, r, g_ptr, h_ptr, y_ptr, row, K, kk, ok, eps)
 
 
 @triton.jit
@@ -162,14 +170,7 @@ def reduce_add_rms_norm_kernel(
         acc += tl.load(part_ptr + (s * M + row) * K + kk, mask=ok, other=0.0)
     r = tl.load(res_ptr + row * stride_r + kk, mask=ok, other=0.0)
     x = acc.to(r.dtype)  # the projection's output, rounded as the reduce stores it
-    h = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
-    tl.store(h_ptr + row * K + kk, h, mask=ok)
-    hf = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
-    normed = (hf * rstd).to(r.dtype)
-    g = tl.load(g_ptr + kk, mask=ok, other=0.0)
-    y = (normed.to(tl.float32) * g.to(tl.float32)).to(r.dtype)
-    tl.store(y_ptr + row * K + kk, y, mask=ok)
+    _store_add_rms_norm(x, r, g_ptr, h_ptr, y_ptr, row, K, kk, ok, eps)
 
 
 GEMV_BLOCK_N = 8  # rows of W per program (small_linear's one-row FMA choice)
