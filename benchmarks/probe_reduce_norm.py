@@ -25,6 +25,9 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_triton import time_graph  # noqa: E402
+
 from paged_ops.backends.triton_gemm_kernels import gemm_config  # noqa: E402
 from paged_ops.backends.triton_linear_kernels import split_k_reduce_kernel  # noqa: E402
 from paged_ops.backends.triton_norm_linear_kernels import (  # noqa: E402
@@ -53,25 +56,6 @@ def fused(part, residual, g, eps, warps: int = 8):  # noqa: ANN001, ANN201
     return h, y
 
 
-def graph_us(fn, calls: int = 50, replays: int = 20) -> float:  # noqa: ANN001
-    """Median us per call over ``replays`` replays of a graph of ``calls`` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="64,128,256")
@@ -97,10 +81,10 @@ def main() -> None:
         row = {"rows": m, "split_k": split, "bitwise_equal": equal}
         if cuda and not args.check_only:
             inputs = (part, residual, g, 1e-5)
-            row["pair_us"] = round(graph_us(lambda a=inputs: pair(*a)), 3)
+            row["pair_us"] = round(time_graph(lambda a=inputs: pair(*a), 50) * 1e6, 3)
             for warps in (4, 8, 16):
                 row[f"fused_w{warps}_us"] = round(
-                    graph_us(lambda a=inputs, w=warps: fused(*a, w)), 3
+                    time_graph(lambda a=inputs, w=warps: fused(*a, w), 50) * 1e6, 3
                 )
         print(json.dumps(row))
         rows_out.append(row)
