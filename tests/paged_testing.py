@@ -375,6 +375,33 @@ def count_write_kv_launches(monkeypatch) -> list:  # noqa: ANN001 (pytest's Monk
     return calls
 
 
+def force_split_k_route(monkeypatch) -> None:  # noqa: ANN001 (pytest's MonkeyPatch)
+    """For the rest of the test every projection of 17 or more rows takes the split-K GEMM with
+    small tiles and two slices, as a Hopper graph step takes a deep, narrow one (CPU tensors:
+    the interpreter runs it)."""
+    from paged_ops import linear
+    from paged_ops.backends.triton_gemm_kernels import GemmConfig
+
+    config = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=2, num_stages=2)
+    monkeypatch.setattr(linear, "_graph_step", lambda x: True)
+    monkeypatch.setattr(
+        linear, "_split_k_gemm_config", lambda x2d, w: config if x2d.shape[0] >= 17 else None
+    )
+
+
+def count_fused_reduces(monkeypatch) -> list:  # noqa: ANN001 (pytest's MonkeyPatch)
+    """Each call of ``reduce_add_rms_norm`` (the split-K reduce + add + RMSNorm kernel's launch)
+    appends 1 to the returned list, for the rest of the test."""
+    from paged_ops.backends import triton_norm_linear_kernels as norm_kernels
+
+    calls: list = []
+    launch = norm_kernels.reduce_add_rms_norm
+    monkeypatch.setattr(
+        norm_kernels, "reduce_add_rms_norm", lambda *a: calls.append(1) or launch(*a)
+    )
+    return calls
+
+
 def linear_operands(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
     """CPU ``x [M, K]``, ``w [N, K]`` (scaled by ``K**-0.5``) and ``b [N]`` (or None) of ``dtype``."""
     g = torch.Generator().manual_seed(seed)

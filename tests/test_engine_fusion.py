@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from hf_models import build_model, make_prompts
-from paged_testing import record_attention_calls
+from paged_testing import count_fused_reduces, force_split_k_route, record_attention_calls
 from torch._dynamo.utils import counters
 
 from paged_ops.engine import fusion, mlp_fusion, norm_fusion, rope_fusion
@@ -416,8 +416,7 @@ def test_mlp_fusion_of_the_down_projection_with_the_next_norm_keeps_the_engines_
     # that the prompt steps' down projections reduce their partials in the norm kernel
     from engine_models import prompts_of, tiny_llama
 
-    from paged_ops import LLM, SamplingParams, linear
-    from paged_ops.backends import triton_norm_linear_kernels as norm_kernels
+    from paged_ops import LLM, SamplingParams
     from paged_ops.engine import runner
 
     pytest.importorskip("paged_ops.backends.triton")
@@ -425,18 +424,8 @@ def test_mlp_fusion_of_the_down_projection_with_the_next_norm_keeps_the_engines_
         pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
     monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
     if split_k_route:
-        from paged_ops.backends.triton_gemm_kernels import GemmConfig
-
-        config = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=2, num_stages=2)
-        monkeypatch.setattr(linear, "_graph_step", lambda x: True)
-        monkeypatch.setattr(
-            linear, "_split_k_gemm_config", lambda x2d, w: config if x2d.shape[0] >= 17 else None
-        )
-    fused_reduces: list[int] = []
-    launch = norm_kernels.reduce_add_rms_norm
-    monkeypatch.setattr(
-        norm_kernels, "reduce_add_rms_norm", lambda *a: fused_reduces.append(1) or launch(*a)
-    )
+        force_split_k_route(monkeypatch)
+    fused_reduces = count_fused_reduces(monkeypatch)
     prompts = prompts_of([19, 3], seed=6)
     params = SamplingParams(max_new_tokens=4, logprobs=1)
     kwargs = dict(backend="triton", block_size=4, max_num_seqs=2, max_model_len=40,

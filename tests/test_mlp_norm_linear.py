@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from paged_testing import count_fused_reduces, force_split_k_route
 
-from paged_ops import linear
 from paged_ops.mlp_linear import silu_mul_linear
 from paged_ops.mlp_norm_linear import silu_mul_add_rms_norm_linear
 from paged_ops.norm_linear import add_rms_norm_linear
@@ -71,32 +71,14 @@ def test_reduce_kernel_equals_the_reduce_then_the_norm_kernel(m, k, split, dtype
     torch.testing.assert_close(y.double(), ref * norm_weight.double(), rtol=0, atol=atol * 4)
 
 
-def force_split_k_route(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every projection of 17-256 rows takes the split-K GEMM with small tiles (as a Hopper graph
-    step takes the down projection); returns a list that grows at each fused reduce."""
-    from paged_ops.backends import triton_norm_linear_kernels as norm_kernels
-    from paged_ops.backends.triton_gemm_kernels import GemmConfig
-
-    config = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=2, num_stages=2)
-    monkeypatch.setattr(linear, "_graph_step", lambda x: True)
-    monkeypatch.setattr(
-        linear, "_split_k_gemm_config", lambda x2d, w: config if x2d.shape[0] >= 17 else None
-    )
-    calls: list[int] = []
-    launch = norm_kernels.reduce_add_rms_norm
-    monkeypatch.setattr(
-        norm_kernels, "reduce_add_rms_norm", lambda *a: calls.append(1) or launch(*a)
-    )
-    return calls
-
-
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("m", [17, 33])
 def test_the_fused_route_equals_the_two_ops_bitwise(m, dtype, monkeypatch):
     # the split-K GEMM's partials summed by the norm kernel: the same bits as the GEMM's own
     # reduce followed by add_rms_norm_linear (whose projection takes the GEMM too here)
-    calls = force_split_k_route(monkeypatch)
+    force_split_k_route(monkeypatch)
+    calls = count_fused_reduces(monkeypatch)
     args = make(m, 96, 64, 48, dtype, seed=m)
     out, h = silu_mul_add_rms_norm_linear(*args[:3], args[3], args[4], EPS, args[5])
     assert calls == [1]
