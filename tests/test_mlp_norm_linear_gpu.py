@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from paged_testing import count_fused_reduces
 
 from paged_ops import LLM, SamplingParams, linear
 from paged_ops.mlp_linear import silu_mul_linear
@@ -39,13 +40,7 @@ def make(m: int, inter: int, hidden: int, n: int, seed: int = 0):
 
 @pytest.mark.parametrize("m", [64, 128, 256])
 def test_the_fused_route_equals_the_two_ops_at_the_1b_shapes(m, monkeypatch):
-    from paged_ops.backends import triton_norm_linear_kernels as norm_kernels
-
-    calls: list[int] = []
-    launch = norm_kernels.reduce_add_rms_norm
-    monkeypatch.setattr(
-        norm_kernels, "reduce_add_rms_norm", lambda *a: calls.append(1) or launch(*a)
-    )
+    calls = count_fused_reduces(monkeypatch)
     gate, up, down_weight, residual, norm_weight, weight = make(m, 8192, 2048, 3072, seed=m)
     with linear.graph_kernels():  # the kernels a CUDA graph step records
         out, h = silu_mul_add_rms_norm_linear(gate, up, down_weight, residual, norm_weight, EPS,
@@ -75,13 +70,7 @@ def wide_llama() -> torch.nn.Module:
 
 
 def test_the_engine_with_down_norm_fusion_gives_the_same_tokens_and_logprobs(monkeypatch):
-    from paged_ops.backends import triton_norm_linear_kernels as norm_kernels
-
-    calls: list[int] = []
-    launch = norm_kernels.reduce_add_rms_norm
-    monkeypatch.setattr(
-        norm_kernels, "reduce_add_rms_norm", lambda *a: calls.append(1) or launch(*a)
-    )
+    calls = count_fused_reduces(monkeypatch)
     ref = wide_llama()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 512, (int(n),), generator=g).tolist()
