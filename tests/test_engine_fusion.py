@@ -210,6 +210,41 @@ def test_inductor_options_apply_while_the_inner_backend_compiles(monkeypatch):
     assert runner.inductor_options(torch.device("cuda")) == {}
 
 
+def test_the_backend_compiles_with_brief_fallback_logs_where_inductor_formats_them_eagerly(
+    monkeypatch,
+):
+    # torch 2.11 formats each argument's IR for every implicit fallback's log line, recursively
+    # through the argument's producers; the backend names the arguments' types instead while the
+    # inner backend compiles, and puts Inductor's formatter back after it
+    from torch._inductor import exc
+
+    class DeepIR:
+        def __str__(self) -> str:
+            raise AssertionError("an argument's IR was formatted")
+
+    monkeypatch.setattr(fusion, "_formats_fallback_logs_eagerly", lambda: True)
+    original = exc.OperatorIssue.operator_str
+    texts: list[str] = []
+
+    def inner(gm, example_inputs):
+        texts.append(
+            exc.MissingOperatorWithoutDecomp.operator_str("paged_ops::op", [DeepIR(), 2], {})
+        )
+        return gm.forward
+
+    torch._dynamo.reset()
+    backend = fusion.compile_backend(inner, fuse=False)
+    torch.compile(lambda x: x * 2 + 1, backend=backend, fullgraph=True)(torch.ones(3))
+    assert len(texts) == 1 and "paged_ops::op" in texts[0] and "DeepIR, int" in texts[0]
+    assert exc.OperatorIssue.operator_str is original
+    with pytest.raises(AssertionError, match="was formatted"):
+        exc.OperatorIssue.operator_str("paged_ops::op", [DeepIR()], {})
+    # where Inductor formats lazily (a LazyString, after torch 2.11) the block changes nothing
+    monkeypatch.setattr(fusion, "_formats_fallback_logs_eagerly", lambda: False)
+    with fusion.brief_fallback_logs():
+        assert exc.OperatorIssue.operator_str is original
+
+
 @pytest.mark.parametrize(("family", "expected"), [("qwen3", "2L-1"), ("gemma2", "0")])
 def test_norm_fusion_takes_llama_style_norms_only(family, expected):
     # Qwen3: the layer norms are Llama's (its per-head q/k norms read no residual sum); Gemma 2

@@ -7,6 +7,7 @@ Run with ``python -m pytest -q -m gpu tests/test_mlp_norm_linear_gpu.py`` on a C
 """
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -38,10 +39,14 @@ def make(m: int, inter: int, hidden: int, n: int, seed: int = 0):
             1 + rand(hidden, scale=0.1), rand(n, hidden, scale=hidden**-0.5))  # fmt: skip
 
 
-@pytest.mark.parametrize("m", [64, 128, 256])
-def test_the_fused_route_equals_the_two_ops_at_the_1b_shapes(m, monkeypatch):
+@pytest.mark.parametrize(
+    ("m", "inter", "hidden", "n"),
+    [(64, 8192, 2048, 3072), (128, 8192, 2048, 3072), (256, 8192, 2048, 3072),
+     (96, 4096, 256, 512)],  # the 1B's shapes; a narrow hidden size: one warp per row
+)  # fmt: skip
+def test_the_fused_route_equals_the_two_ops(m, inter, hidden, n, monkeypatch):
     calls = count_fused_reduces(monkeypatch)
-    gate, up, down_weight, residual, norm_weight, weight = make(m, 8192, 2048, 3072, seed=m)
+    gate, up, down_weight, residual, norm_weight, weight = make(m, inter, hidden, n, seed=m)
     with linear.graph_kernels():  # the kernels a CUDA graph step records
         out, h = silu_mul_add_rms_norm_linear(gate, up, down_weight, residual, norm_weight, EPS,
                                               weight)  # fmt: skip
@@ -84,6 +89,9 @@ def test_the_engine_with_down_norm_fusion_gives_the_same_tokens_and_logprobs(mon
         assert llm.runner.num_fused_down_norms == (2 if fuse else 0)
         outs[fuse] = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
                       for o in llm.generate(prompts, params, use_tqdm=False)]  # fmt: skip
-        llm.close()
+        llm.close()  # give the KV cache back before the next LLM sizes its own from free memory
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
         assert bool(calls) == fuse  # the 64-96-sequence graphs were captured with the kernel
     assert outs[True] == outs[False]

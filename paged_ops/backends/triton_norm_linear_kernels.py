@@ -214,6 +214,12 @@ def rope_fits(n: int, head_dim: int) -> bool:
     return head_dim % 2 == 0 and half % (GEMV_BLOCK_N // 2) == 0 and n % head_dim == 0
 
 
+def _row_warps(block_k: int) -> int:
+    """Warps of a one-program-per-row norm kernel over ``block_k`` columns. The warps split the
+    row's sum of squares, so kernels whose rows must agree bitwise share this rule."""
+    return max(1, min(16, block_k // 256))
+
+
 def add_rms_norm(
     x: torch.Tensor,  # [M, K], last stride 1
     residual: torch.Tensor,  # [M, K], last stride 1
@@ -230,7 +236,7 @@ def add_rms_norm(
     block_k = next_power_of_2(k)
     launcher(add_rms_norm_kernel)[(m,)](
         x, residual, norm_weight, h, y, k, x.stride(0), residual.stride(0), eps,
-        BLOCK_K=block_k, num_warps=max(1, min(16, block_k // 256)),
+        BLOCK_K=block_k, num_warps=_row_warps(block_k),
     )  # fmt: skip
     return h, y
 
@@ -243,14 +249,17 @@ def reduce_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # h [M, K], y [M, K]
     """``x = partials.sum(0)`` rounded to residual's dtype (as ``split_k_reduce_kernel`` stores
     it), ``h = x + residual`` and ``y = rms_norm(h) * norm_weight`` as :func:`add_rms_norm`
-    gives them: one launch of one program per row (8 warps: H200 probe, NOTES.md section 39)."""
+    gives them: one launch of one program per row, with :func:`add_rms_norm`'s warps (the row's
+    sum of squares reduced in the same order: the same bits; 8 at the 1B's 2,048, H200 probe,
+    NOTES.md section 39)."""
     split, m, k = partials.shape
+    block_k = next_power_of_2(k)
     h = residual.new_empty((m, k))
     y = residual.new_empty((m, k))
     if m == 0:
         return h, y
     launcher(reduce_add_rms_norm_kernel)[(m,)](
         partials, residual, norm_weight, h, y, m, k, residual.stride(0), eps,
-        SPLIT_K=split, BLOCK_K=next_power_of_2(k), num_warps=8,
+        SPLIT_K=split, BLOCK_K=block_k, num_warps=_row_warps(block_k),
     )  # fmt: skip
     return h, y

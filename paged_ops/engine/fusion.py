@@ -21,10 +21,13 @@ tensor after the model was compiled would make the fused matmul read the wrong m
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import math
 import operator
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -407,11 +410,53 @@ def compile_backend(
             rerouted = route_small_linears(gm, max_out_features)
             if on_rerouted is not None:
                 on_rerouted(rerouted)
-        if inductor_options:
-            from torch._inductor import config
+        with brief_fallback_logs(), contextlib.ExitStack() as stack:
+            if inductor_options:
+                from torch._inductor import config
 
-            with config.patch(inductor_options):
-                return compile_inner(gm, example_inputs)
-        return compile_inner(gm, example_inputs)
+                stack.enter_context(config.patch(inductor_options))
+            return compile_inner(gm, example_inputs)
 
     return backend
+
+
+@functools.cache
+def _formats_fallback_logs_eagerly() -> bool:
+    """Whether Inductor formats an op's arguments for its "Creating implicit fallback" log line
+    before the level check (torch 2.11; torch 2.13 passes a ``LazyString``): read from the
+    source of ``GraphLowering.call_function``, taken as eager where the source is not at hand."""
+    from torch._inductor.graph import GraphLowering
+
+    try:
+        source = inspect.getsource(GraphLowering.call_function)
+    except (OSError, TypeError):
+        return True
+    return "LazyString(error.operator_str" not in source
+
+
+@contextlib.contextmanager
+def brief_fallback_logs() -> Iterator[None]:
+    """Within the block, Inductor's ``OperatorIssue.operator_str`` names the target and each
+    argument's type, not the argument's IR, where Inductor formats it eagerly.
+
+    Each custom op the graph meets for the first time gets an implicit fallback, and torch 2.11
+    formats every argument for an INFO log line whether or not it is shown; an argument's IR
+    prints its producers recursively, so an op first met deep in the graph costs time exponential
+    in that depth: ``paged_ops::silu_mul_add_rms_norm_linear`` (``LLM(down_norm_fusion=True)``,
+    first met after a whole decoder layer) kept the 1B's compile past 150 s on an H200
+    (benchmarks/NOTES.md section 40). Elsewhere the block changes nothing."""
+    if not _formats_fallback_logs_eagerly():
+        yield
+        return
+    from torch._inductor import exc
+
+    def operator_str(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
+        kinds = ", ".join(type(a).__name__ for a in args)
+        return f"  target: {target}\n  args: ({kinds}), kwargs: {sorted(kwargs)}"
+
+    saved = exc.OperatorIssue.__dict__["operator_str"]
+    exc.OperatorIssue.operator_str = staticmethod(operator_str)
+    try:
+        yield
+    finally:
+        exc.OperatorIssue.operator_str = saved
