@@ -324,8 +324,9 @@ class LLM:
             projection takes the split-K GEMM (64-256 rows on Hopper, in CUDA graphs) one kernel
             sums its partials, adds the residual and normalises, in place of two (H200 kernel
             probe: 2.1-2.7 vs 3.1-4.0 us per layer, ~1% of such a decode step; benchmarks/NOTES.md
-            section 39). Off by default: not yet measured end to end or tested on a GPU. With
-            ``fold_conds=True`` it is refused (ValueError).
+            section 39). Off by default: measured end to end on an H200 it gains ~1-1.5% at
+            64-256 requests, within the spread between hosts, and costs a first start ~15 s
+            (section 40). With ``fold_conds=True`` it is refused (ValueError).
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward; identical layers are served
             by Inductor's and AOTAutograd's caches, so the first start compiles one layer's
