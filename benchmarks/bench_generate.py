@@ -35,6 +35,7 @@ before that call: model setup plus a first call (compiles, graph captures, autot
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import platform
@@ -473,6 +474,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "--warmup-starts)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
     parser.add_argument("--out", help="write the results as JSON here (after every system)")
+    parser.add_argument("--hang-dump", type=float, default=0,
+                        help="print every thread's stack to stderr and exit after this many "
+                             "seconds (0: off): a run cut by a time limit says where it was")  # fmt: skip
     args = parser.parse_args(argv)
     import compare_engines  # (imports this module: not at the top)
 
@@ -490,6 +494,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.hang_dump:
+        faulthandler.dump_traceback_later(args.hang_dump, exit=True)
     batches = [int(b) for b in args.batches.split(",")]
     kv_dtypes = args.kv_dtypes
     groups = paged_ops_groups(batches, args.prompt_len, args.extra_cases)
