@@ -30,7 +30,12 @@ from triton.runtime import driver  # noqa: E402
 
 from paged_ops import linear  # noqa: E402
 from paged_ops.backends import triton as triton_backend  # noqa: E402
-from paged_ops.backends import triton_gemm_kernels, triton_kernels, triton_linear_kernels  # noqa: E402
+from paged_ops.backends import (  # noqa: E402
+    triton_gemm_kernels,
+    triton_kernels,
+    triton_linear_kernels,
+    triton_norm_linear_kernels,
+)
 from paged_ops.engine import variant_prebuild  # noqa: E402
 from paged_ops.engine.runner import warm_up_shapes  # noqa: E402
 from paged_ops.module import LayerConfig, PagedAttention  # noqa: E402
@@ -77,8 +82,8 @@ def main() -> None:
 
     triton_compiler.ASTSource.make_ir = counted_make_ir
 
-    if sys.argv[1:] == ["gemm"]:
-        print(json.dumps(gemm_flow(codegen_runs)))
+    if sys.argv[1:2] == ["gemm"]:
+        print(json.dumps(gemm_flow(codegen_runs, norm_reduce=sys.argv[2:] == ["norm"])))
         return
     layers = [LayerConfig(), LayerConfig(sliding_window=8)]  # two layer kinds
     pa = PagedAttention(
@@ -105,9 +110,10 @@ def main() -> None:
     print(json.dumps(out))
 
 
-def gemm_flow(codegen_runs: list[int]) -> dict:
+def gemm_flow(codegen_runs: list[int], norm_reduce: bool = False) -> dict:
     """Steps 1-4 for ``_call_linears`` on the 1B's down projection (2048 x 8192, float16) and a
-    weight the GEMM does not serve (q/k/v's 3072 x 2048)."""
+    weight the GEMM does not serve (q/k/v's 3072 x 2048); with ``norm_reduce``, the partials'
+    reduce + add + RMSNorm kernel too."""
 
     def split_k_config(x, w):  # the op's route, CUDA-only otherwise, taken as given here
         if w.shape[1] < 2 * w.shape[0]:
@@ -119,17 +125,18 @@ def gemm_flow(codegen_runs: list[int]) -> dict:
                torch.empty(3072, 2048, dtype=torch.float16)]  # fmt: skip
     steps = [(16, 16), (64, 64), (65, 64), (96, 32), (128, 128), (256, 256), (4096, 64)]
     with variant_prebuild.recording_variants() as records:
-        recorded_calls = variant_prebuild._call_linears(weights, steps)
+        recorded_calls = variant_prebuild._call_linears(weights, steps, norm_reduce)
     out = dict(recorded_calls=recorded_calls, records=len(records),
                kernels=sorted({r["name"] for r in records}), codegen_while_recording=codegen_runs[0])  # fmt: skip
     out["built"] = variant_prebuild.spawn(records, variant_prebuild.current_target()).wait()
-    out["calls_after"] = variant_prebuild._call_linears(weights, steps)
+    out["calls_after"] = variant_prebuild._call_linears(weights, steps, norm_reduce)
     out["codegen_after"] = codegen_runs[0] - out["codegen_while_recording"]
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="prebuild_probe_control_")
     triton_gemm_kernels.split_k_gemm_kernel.device_caches.clear()
     triton_linear_kernels.split_k_reduce_kernel.device_caches.clear()
+    triton_norm_linear_kernels.reduce_add_rms_norm_kernel.device_caches.clear()
     before = codegen_runs[0]
-    variant_prebuild._call_linears(weights[:1], steps[1:2])
+    variant_prebuild._call_linears(weights[:1], steps[1:2], norm_reduce)
     out["codegen_control"] = codegen_runs[0] - before
     return out
 

@@ -470,6 +470,7 @@ def test_mlp_fusion_of_the_down_projection_with_the_next_norm_keeps_the_engines_
         torch._dynamo.reset()
         llm = LLM(tiny_llama(seed=7, layers=3), down_norm_fusion=fuse, **kwargs)
         assert llm.runner.num_fused_down_norms == (2 if fuse else 0)  # layers 0-1 into 1-2
+        assert llm.runner._down_norm_fusion == fuse  # (a GPU's prebuild records its kernel)
         outs[fuse] = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
                       for o in llm.generate(prompts, params, use_tqdm=False)]  # fmt: skip
         llm.close()

@@ -93,19 +93,26 @@ def test_the_child_compiles_the_variants_that_the_backend_then_finds_in_the_cach
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-def test_the_child_compiles_the_split_k_gemm_variants_that_small_linear_then_finds():
+@pytest.mark.parametrize("norm_reduce", [False, True])
+def test_the_child_compiles_the_split_k_gemm_variants_that_small_linear_then_finds(norm_reduce):
+    # with norm_reduce (LLM(down_norm_fusion=True)) also the kernel that sums the partials with
+    # the next norm, whose variants otherwise compiled in the warm-up's later steps
     pytest.importorskip("triton.tools.tensor_descriptor")
     probe = Path(__file__).with_name("prebuild_probe.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(probe), "gemm"], capture_output=True, text=True,
-                         timeout=600, env=env)  # fmt: skip
+    argv = [sys.executable, str(probe), "gemm", *(["norm"] if norm_reduce else [])]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     # 64, 65, 96, 128 and 256 rows of the down projection; not 16 or 4096 rows, not q/k/v's
     assert got["recorded_calls"] == got["calls_after"] == 5
     assert got["codegen_while_recording"] == 0
-    assert got["kernels"] == ["split_k_gemm_kernel", "split_k_reduce_kernel"]
-    assert got["built"] == got["records"] >= 4  # the GEMM's tiles and splits, and the reduce
+    kernels = ["split_k_gemm_kernel", "split_k_reduce_kernel"]
+    if norm_reduce:
+        kernels.insert(0, "reduce_add_rms_norm_kernel")
+    assert got["kernels"] == kernels
+    # the GEMM's tiles and splits and the reduce (and the norm's splits and row counts)
+    assert got["built"] == got["records"] >= (5 if norm_reduce else 4)
     assert got["codegen_after"] == 0  # every call found its variant in the child's cache
     assert got["codegen_control"] >= 1
 

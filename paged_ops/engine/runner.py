@@ -309,6 +309,7 @@ class ModelRunner:
         self.num_small_linears = 0  # linear calls sent through paged_ops::small_linear
         self._small_linears = bool(small_linears and compile)
         self._rope_in_attention = bool(rope_in_attention and self._small_linears)
+        self._down_norm_fusion = bool(down_norm_fusion and self._small_linears and not fold_conds)
         self.num_fused_norms = 0  # RMSNorms computed inside paged_ops::add_rms_norm_linear
         self.num_fused_mlps = 0  # SiLU-mul products computed inside paged_ops::silu_mul_linear
         self.num_fused_ropes = 0  # q/k rotations moved into the attention op or the projection
@@ -813,6 +814,7 @@ class ModelRunner:
             prebuild = variant_prebuild.start(
                 self.pa, shapes + self._graph_steps(), self._small_linear_weights(),
                 rope=self._rope_in_attention,  # (the RoPE pass matches Llama-like blocks)
+                norm_reduce=self._down_norm_fusion,  # (the pass matches Llama-like MLPs)
             )  # fmt: skip
         try:
             for i, (tokens, seqs) in enumerate(shapes):

@@ -30,7 +30,9 @@ The same goes for the split-K TMA GEMM that ``paged_ops.small_linear`` runs for 
 deep, narrow weight on Hopper (:mod:`paged_ops.backends.triton_gemm_kernels`): one call per model
 weight and warm-up token count that the op would send there (:func:`_call_linears`), its reduce
 kernel included; they would otherwise compile in the warm-up's later steps (~1.2 s of an H200's
-first start, benchmarks/NOTES.md section 32).
+first start, benchmarks/NOTES.md section 32). With ``LLM(down_norm_fusion=True)`` also the kernel
+that sums the GEMM's partials with the next norm (5.6 s more of an H200's first start without
+it, section 40).
 
 ``PAGED_OPS_PREBUILD_VARIANTS=0`` turns it off (to measure it).
 """
@@ -151,10 +153,15 @@ def _call_each(pa: PagedAttention, work: list[tuple[int, Step]], rope: bool = Fa
     return accepted
 
 
-def _call_linears(weights: Sequence[torch.Tensor], steps: Sequence[Step]) -> int:
+def _call_linears(
+    weights: Sequence[torch.Tensor], steps: Sequence[Step], norm_reduce: bool = False
+) -> int:
     """One split-K GEMM call per (weight, token count of ``steps``) that ``small_linear`` sends
     to it (``linear._split_k_gemm_config``: the rows, the weight's shape, the GPU), on an input of
-    that many rows; returns how many calls were made."""
+    that many rows; returns how many calls were made. With ``norm_reduce``
+    (``LLM(down_norm_fusion=True)``) each call's partials also go through the kernel that sums
+    them with the next norm (``reduce_add_rms_norm``, as ``paged_ops.silu_mul_add_rms_norm_linear``
+    calls it: a contiguous residual and norm weight of the weight's dtype)."""
     from paged_ops import linear
     from paged_ops.triton_dispatch import kernel_module
 
@@ -172,12 +179,26 @@ def _call_linears(weights: Sequence[torch.Tensor], steps: Sequence[Step]) -> int
                 try:
                     gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
                     gemm.split_k_gemm(x, weight, config=config)
+                    if norm_reduce:
+                        partials = gemm.split_k_gemm(x, weight, config=config, reduce=False)
+                        _call_norm_reduce(partials, weight.dtype)
                 except Exception as e:  # noqa: BLE001 - the step that meets it compiles it
                     logger.debug("variant prebuild: the GEMM call for %s at %d rows failed: %r",
                                  tuple(weight.shape), tokens, e)  # fmt: skip
                     continue
                 calls += 1
     return calls
+
+
+def _call_norm_reduce(partials: torch.Tensor, dtype: torch.dtype) -> None:
+    """``reduce_add_rms_norm`` on ``partials`` (``[SPLIT_K, T, N]`` float32) with a ``[T, N]``
+    residual and an ``[N]`` norm weight of ``dtype`` (the model's; the next layer's RMSNorm)."""
+    from paged_ops.triton_dispatch import kernel_module
+
+    _, tokens, width = partials.shape
+    norms = kernel_module("paged_ops.backends.triton_norm_linear_kernels")
+    residual = torch.empty((tokens, width), dtype=dtype, device=partials.device)  # [T, N]
+    norms.reduce_add_rms_norm(partials, residual, residual.new_empty(width), 1e-5)
 
 
 @contextlib.contextmanager
@@ -271,6 +292,7 @@ def start(
     steps: Sequence[Step],
     linear_weights: Sequence[torch.Tensor] = (),
     rope: bool = False,
+    norm_reduce: bool = False,
 ) -> Prebuild | None:
     """Record the variants of ``steps`` (the warm-up's, with its graph buckets) and start the
     child that compiles them; None when there is nothing to do (no triton layer and no split-K
@@ -278,7 +300,8 @@ def start(
     model's projection weights that go through ``small_linear`` (:func:`_call_linears`);
     ``rope``: whether the decode kernels will rotate q and k (a prediction made before the
     compile that decides it: a wrong one costs the warm-up those variants' compiles, nothing
-    else)."""
+    else); ``norm_reduce``: whether the down projections' partials will be summed by the next
+    norm's kernel (``LLM(down_norm_fusion=True)``; the same kind of prediction)."""
     if pa.kv_cache.device.type != "cuda" or not enabled():
         return None
     work = _steps_per_variant(pa, steps)
@@ -287,7 +310,7 @@ def start(
     try:
         with recording_variants() as records:
             _call_each(pa, work, rope)
-            _call_linears(linear_weights, steps)
+            _call_linears(linear_weights, steps, norm_reduce)
         if not records:
             return None
         return spawn(records, current_target())
