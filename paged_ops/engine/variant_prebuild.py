@@ -31,8 +31,9 @@ deep, narrow weight on Hopper (:mod:`paged_ops.backends.triton_gemm_kernels`): o
 weight and warm-up token count that the op would send there (:func:`_call_linears`), its reduce
 kernel included; they would otherwise compile in the warm-up's later steps (~1.2 s of an H200's
 first start, benchmarks/NOTES.md section 32). With ``LLM(down_norm_fusion=True)`` also the kernel
-that sums the GEMM's partials with the next norm (5.6 s more of an H200's first start without
-it, section 40).
+that sums the GEMM's partials with the next norm (an H200 first start with the flag and without
+this spent 6.3 s in the later warm-up steps against 0.7 s without the flag, section 40; the gain
+is not yet measured).
 
 ``PAGED_OPS_PREBUILD_VARIANTS=0`` turns it off (to measure it).
 """
