@@ -239,7 +239,7 @@ class Chain:
         persistent_chain_kernel[(programs,)](
             self.w, self.h, self.q, self.o, self.gu, self.counter, self.flag, self.layers,
             HID=self.hid, QKV=self.qkv, INTER=self.inter, BLOCK_N=block_n, BLOCK_K=block_k,
-            STAGES=stages, PF_K=pf_k, MAX_SPINS=1 << 22, num_warps=warps, num_stages=stages,
+            STAGES=stages, PF_K=pf_k, MAX_SPINS=1 << 16, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return self.h[-1]
 
