@@ -103,10 +103,24 @@ def _prefetch_first_rows(
 
 
 @triton.jit
-def _grid_sync(counter_ptr, flag_ptr, target, MAX_SPINS: tl.constexpr):
+def _stamp(stamp_ptr, index, pid, STAMPS: tl.constexpr):
+    """Program 0 stores the GPU's nanosecond clock (``%globaltimer``) at ``stamp[index]``."""
+    if STAMPS:
+        now = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+        tl.store(stamp_ptr + index, now, mask=pid == 0)
+
+
+@triton.jit
+def _grid_sync(
+    counter_ptr, flag_ptr, target, stamp_ptr, index, pid,
+    MAX_SPINS: tl.constexpr, STAMPS: tl.constexpr,
+):  # fmt: skip
     """Wait until ``target`` arrivals were counted (this program's included). Every warp's stores
     happen before the release (CTA barrier first); loads after the acquire see every program's.
-    Gives up after ``MAX_SPINS`` polls and raises ``flag`` (a wrong answer, never a hang)."""
+    Gives up after ``MAX_SPINS`` polls and raises ``flag`` (a wrong answer, never a hang).
+    ``STAMPS``: program 0 then stamps ``stamp[index]``."""
     tl.debug_barrier()
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
     seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
@@ -117,6 +131,7 @@ def _grid_sync(counter_ptr, flag_ptr, target, MAX_SPINS: tl.constexpr):
     if seen < target:
         tl.atomic_max(flag_ptr, 1)
     tl.debug_barrier()
+    _stamp(stamp_ptr, index, pid, STAMPS)
 
 
 @triton.jit
@@ -128,6 +143,7 @@ def persistent_chain_kernel(
     gu_ptr,  # [L, 2I]
     counter_ptr,  # [1] int32, zero at launch
     flag_ptr,  # [1] int32: 1 if a barrier gave up
+    stamp_ptr,  # [4 L + 1] int64: STAMPS: the clock at the start and after each barrier
     layers,
     HID: tl.constexpr,
     QKV: tl.constexpr,
@@ -137,9 +153,11 @@ def persistent_chain_kernel(
     STAGES: tl.constexpr,
     PF_K: tl.constexpr,
     MAX_SPINS: tl.constexpr,
+    STAMPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    _stamp(stamp_ptr, 0, pid, STAMPS)
     OFF_O: tl.constexpr = QKV * HID
     OFF_GU: tl.constexpr = OFF_O + HID * HID
     OFF_DOWN: tl.constexpr = OFF_GU + 2 * INTER * HID
@@ -151,23 +169,27 @@ def persistent_chain_kernel(
                     QKV, HID, False, BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
         _prefetch_first_rows(w + OFF_O, pid, True, HID, HID, BLOCK_N, PF_K)
         arrivals += programs
-        _grid_sync(counter_ptr, flag_ptr, arrivals, MAX_SPINS)
+        _grid_sync(counter_ptr, flag_ptr, arrivals, stamp_ptr, arrivals // programs, pid,
+                   MAX_SPINS, STAMPS)  # fmt: skip
         _gemv_phase(w + OFF_O, q_ptr + layer * QKV, o_ptr + layer * HID, pid, programs,
                     HID, HID, False, BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
         _prefetch_first_rows(w + OFF_GU, pid, True, 2 * INTER, HID, BLOCK_N, PF_K)
         arrivals += programs
-        _grid_sync(counter_ptr, flag_ptr, arrivals, MAX_SPINS)
+        _grid_sync(counter_ptr, flag_ptr, arrivals, stamp_ptr, arrivals // programs, pid,
+                   MAX_SPINS, STAMPS)  # fmt: skip
         _gemv_phase(w + OFF_GU, o_ptr + layer * HID, gu_ptr + layer * 2 * INTER, pid, programs,
                     2 * INTER, HID, False, BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
         _prefetch_first_rows(w + OFF_DOWN, pid, True, HID, INTER, BLOCK_N, PF_K)
         arrivals += programs
-        _grid_sync(counter_ptr, flag_ptr, arrivals, MAX_SPINS)
+        _grid_sync(counter_ptr, flag_ptr, arrivals, stamp_ptr, arrivals // programs, pid,
+                   MAX_SPINS, STAMPS)  # fmt: skip
         _gemv_phase(w + OFF_DOWN, gu_ptr + layer * 2 * INTER, h_ptr + (layer + 1) * HID, pid,
                     programs, HID, INTER, True, BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
         next_qkv = w + PER_LAYER  # the next layer's q/k/v, if any
         _prefetch_first_rows(next_qkv, pid, layer + 1 < layers, QKV, HID, BLOCK_N, PF_K)
         arrivals += programs
-        _grid_sync(counter_ptr, flag_ptr, arrivals, MAX_SPINS)
+        _grid_sync(counter_ptr, flag_ptr, arrivals, stamp_ptr, arrivals // programs, pid,
+                   MAX_SPINS, STAMPS)  # fmt: skip
         w += PER_LAYER
 
 
@@ -209,6 +231,7 @@ class Chain:
         self.o, self.gu = new(layers, hid), new(layers, 2 * inter)
         self.counter = torch.zeros(1, device=device, dtype=torch.int32)
         self.flag = torch.zeros(1, device=device, dtype=torch.int32)
+        self.stamps = torch.zeros(4 * layers + 1, device=device, dtype=torch.int64)
         self.weight_bytes = self.w.numel() * self.w.element_size()
 
     def engine_step(self) -> torch.Tensor:
@@ -238,9 +261,11 @@ class Chain:
         """Every layer's four GEMVs in one launch of ``programs`` programs."""
         self.counter.zero_()
         persistent_chain_kernel[(programs,)](
-            self.w, self.h, self.q, self.o, self.gu, self.counter, self.flag, self.layers,
+            self.w, self.h, self.q, self.o, self.gu, self.counter, self.flag, self.stamps,
+            self.layers,
             HID=self.hid, QKV=self.qkv, INTER=self.inter, BLOCK_N=block_n, BLOCK_K=block_k,
-            STAGES=stages, PF_K=pf_k, MAX_SPINS=1 << 16, num_warps=warps, num_stages=stages,
+            STAGES=stages, PF_K=pf_k, MAX_SPINS=1 << 16,
+            STAMPS=self.w.is_cuda, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return self.h[-1]
 
@@ -293,6 +318,17 @@ def main() -> None:
         for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
             bdl.time_graph(runs[name]["graph"], 3)
             runs[name]["times"].append(bdl.time_graph(runs[name]["graph"], args.replays))
+    phase_names = ("qkv", "o", "gate_up", "down")
+    for name in variants:
+        if name.startswith("persistent"):  # one more replay: its phases' clock stamps
+            runs[name]["graph"].replay()
+            torch.cuda.synchronize()
+            ns = chain.stamps.diff().view(args.layers, 4).double()  # [L, 4] phase + barrier
+            runs[name]["phases"] = {
+                phase: {"us": statistics.median(ns[:, j].tolist()) / 1e3,
+                        "tb_per_s": n * k * 2 / statistics.median(ns[:, j].tolist()) / 1e3}
+                for j, (phase, (n, k)) in enumerate(zip(phase_names, chain.shapes, strict=True))
+            }  # fmt: skip
     rows = []
     for name in variants:
         run = runs[name]
@@ -306,6 +342,10 @@ def main() -> None:
         print(f"{name:>24s}: {us:8.1f} us/step {us / args.layers:6.2f} us/layer {tbs:5.2f} TB/s  "
               f"diff vs phases {diff:.1e} (rel {rel:.1e})  gave up {run['gave_up']}  "
               f"{[round(t, 1) for t in run['times']]}", flush=True)  # fmt: skip
+        if "phases" in run:
+            rows[-1]["phases"] = run["phases"]
+            print(" " * 26 + "  ".join(f"{p} {v['us']:.2f} us ({v['tb_per_s']:.2f} TB/s)"
+                                       for p, v in run["phases"].items()), flush=True)  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         result = {"device": torch.cuda.get_device_name(device), "sms": sms,
