@@ -444,8 +444,9 @@ def test_mlp_fusion_of_the_down_projection_with_the_next_norm_keeps_the_engines_
     split_k_route, monkeypatch
 ):
     # (named for mlp_fusion: the torch 2.11 leg, whose triton cannot interpret, skips those)
-    # LLM(down_norm_fusion=True): each layer's down projection but the last becomes one op with
-    # the next layer's norm-fed q/k/v projection (paged_ops::silu_mul_add_rms_norm_linear); the
+    # LLM(down_norm_fusion=None), the default, fuses: each layer's down projection but the last
+    # becomes one op with the next layer's norm-fed q/k/v projection
+    # (paged_ops::silu_mul_add_rms_norm_linear); the
     # engine's greedy tokens and logprobs equal the same engine without it, also where every
     # projection of >= 17 rows takes the split-K GEMM (forced: a Hopper graph step's route), so
     # that the prompt steps' down projections reduce their partials in the norm kernel
@@ -466,15 +467,37 @@ def test_mlp_fusion_of_the_down_projection_with_the_next_norm_keeps_the_engines_
     kwargs = dict(backend="triton", block_size=4, max_num_seqs=2, max_model_len=40,
                   num_blocks=32, compile=True, small_linears=True)  # fmt: skip
     outs = {}
-    for fuse in (False, True):
+    for fuse in (False, None):  # None, the default: on (small_linears, no fold_conds)
         torch._dynamo.reset()
         llm = LLM(tiny_llama(seed=7, layers=3), down_norm_fusion=fuse, **kwargs)
-        assert llm.runner.num_fused_down_norms == (2 if fuse else 0)  # layers 0-1 into 1-2
-        assert llm.runner._down_norm_fusion == fuse  # (a GPU's prebuild records its kernel)
-        outs[fuse] = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
-                      for o in llm.generate(prompts, params, use_tqdm=False)]  # fmt: skip
+        fused = fuse is None
+        assert llm.runner.num_fused_down_norms == (2 if fused else 0)  # layers 0-1 into 1-2
+        assert llm.runner._down_norm_fusion == fused  # (a GPU's prebuild records its kernel)
+        outs[fused] = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+                       for o in llm.generate(prompts, params, use_tqdm=False)]  # fmt: skip
         llm.close()
-        if not fuse:
+        if not fused:
             assert fused_reduces == []
     assert outs[True] == outs[False]
     assert bool(fused_reduces) == split_k_route  # the 19-token prompt's step fused its reduces
+
+
+def test_the_default_down_norm_fusion_yields_to_fold_conds(monkeypatch):
+    # (named for mlp_fusion: the torch 2.11 leg skips it with the others)
+    # down_norm_fusion=None (the default) is on only where it applies: LLM(fold_conds=True)
+    # builds (no ValueError, which an explicit True gets) and fuses nothing
+    from engine_models import tiny_llama
+
+    from paged_ops import LLM
+    from paged_ops.engine import runner
+
+    pytest.importorskip("paged_ops.backends.triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
+    monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    llm = LLM(tiny_llama(seed=7, layers=2), backend="triton", block_size=4, max_num_seqs=2,
+              max_model_len=40, num_blocks=32, compile=True, small_linears=True,
+              fold_conds=True)  # fmt: skip
+    assert not llm.runner._down_norm_fusion and llm.runner.num_fused_down_norms == 0
+    llm.close()

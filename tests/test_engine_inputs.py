@@ -69,7 +69,7 @@ def llm(base) -> LLM:
         (dict(compile="yes"), TypeError, "compile must be True, False or None"),
         (dict(overlap=1), TypeError, "overlap must be True or False"),
         (dict(small_linears="on"), TypeError, "small_linears must be True, False or None"),
-        (dict(down_norm_fusion=1), TypeError, "down_norm_fusion must be True or False"),
+        (dict(down_norm_fusion=1), TypeError, "down_norm_fusion must be True, False or None"),
         (
             dict(down_norm_fusion=True, fold_conds=True),
             ValueError,

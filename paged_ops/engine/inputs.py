@@ -24,7 +24,8 @@ _MIN_SIZES = {
     "max_num_tokens": 1,
 }
 _FLAGS = ("cuda_graphs", "prefix_caching", "overlap", "fuse_projections", "small_linears")
-_DEFAULTED_FLAGS = ("compile", "precompile", "small_linears")  # None: chosen by the LLM
+# None: chosen by the LLM
+_DEFAULTED_FLAGS = ("compile", "precompile", "small_linears", "down_norm_fusion")
 
 
 def check_model(model: Any) -> None:

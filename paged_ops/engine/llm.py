@@ -324,9 +324,11 @@ class LLM:
             projection takes the split-K GEMM (64-256 rows on Hopper, in CUDA graphs) one kernel
             sums its partials, adds the residual and normalises, in place of two (H200 kernel
             probe: 2.1-2.7 vs 3.1-4.0 us per layer, ~1% of such a decode step; benchmarks/NOTES.md
-            section 39). Off by default: measured end to end on an H200 it gains ~1-1.5% at
-            64-256 requests, within the spread between hosts, and costs a first start ~15 s
-            (section 40). With ``fold_conds=True`` it is refused (ValueError).
+            section 39); bitwise the same outputs (GPU-tested). Default (None): on wherever it
+            applies (``small_linears`` on, ``fold_conds=False``): on an H200 +1-1.5% at 64-256
+            requests (section 40) and, with its kernel's variants built by the prebuild child,
+            no longer a slower first start (36.0 / 36.8 s vs 39.5 / 41.2 s without, section 41).
+            ``True`` with ``fold_conds=True`` is refused (ValueError).
         compile_regions: with ``compile``, compile each decoder layer (and the final norm and the
             greedy argmax) on its own instead of the whole forward; identical layers are served
             by Inductor's and AOTAutograd's caches, so the first start compiles one layer's
@@ -416,7 +418,7 @@ class LLM:
         rope_tables: bool = True,
         rope_in_attention: bool = True,
         fold_conds: bool = False,
-        down_norm_fusion: bool = False,
+        down_norm_fusion: bool | None = None,
         precompile: bool | None = None,
         kv_cache_dtype: str | torch.dtype | None = None,
         calculate_kv_scales: bool | None = None,
@@ -479,6 +481,8 @@ class LLM:
             flags["compile"] = default_compile(model)
         if small_linears is None:
             flags["small_linears"] = default_small_linears(model, flags["compile"], self.tp)
+        if down_norm_fusion is None:  # on where it applies (the runner checks small_linears)
+            flags["down_norm_fusion"] = not flags["fold_conds"]
         precompile_chosen = precompile is not None  # a refusal or a fallback is worth a warning
         if precompile is None:
             precompile = default_precompile(on_cuda(model), flags, speculative, self.tp, cache_dir)
