@@ -13,8 +13,10 @@ kernel sums them, adds the residual and normalises
 split-K reduce and the add + RMSNorm kernel: one launch and one boundary fewer per layer (H200
 probe: 2.1-2.7 vs 3.1-4.0 us at 64-256 rows of 2,048; benchmarks/NOTES.md section 39).
 
-The engine puts it in the graph with ``LLM(down_norm_fusion=True)`` (off by default: ~1-1.5%
-end to end on an H200 at 64-256 requests, for a first start ~15 s longer; NOTES section 40) where :func:`paged_ops.engine.mlp_fusion.fuse_down_norms` finds a
+The engine puts it in the graph with ``LLM(down_norm_fusion)``, on by default where it applies
+(~1-1.5% end to end on an H200 at 64-256 requests, NOTES section 40; no slower first start once
+the variant prebuild builds its kernel's variants, section 41) where
+:func:`paged_ops.engine.mlp_fusion.fuse_down_norms` finds a
 ``silu_mul_projection`` read only by the next layer's ``norm_projections`` of one weight. It is
 one opaque node for torch.compile (fake kernel from shapes only); it records no autograd.
 """

@@ -207,9 +207,10 @@ def _lone_down(node: Any) -> bool:
 def fuse_down_norms(gm: fx.GraphModule) -> int:
     """Replace each ``silu_mul_projection`` (without ``cond``) whose only reader is a
     ``norm_projections`` (without ``cond``) of one weight by one :func:`down_norm_projections`
-    call (``LLM(down_norm_fusion=True)``, :mod:`paged_ops.mlp_norm_linear`); returns the pairs
-    fused. Run after :func:`fuse_silu_mul_linears` and the norm pass; the last layer's down
-    projection (read by the final norm) and a norm whose projections were not stacked stay."""
+    call (``LLM(down_norm_fusion)``, on by default; :mod:`paged_ops.mlp_norm_linear`); returns
+    the pairs fused. Run after :func:`fuse_silu_mul_linears` and the norm pass; the last layer's
+    down projection (read by the final norm) and a norm whose projections were not stacked
+    stay."""
     import paged_ops.mlp_norm_linear  # noqa: F401  (registers the op)
     from paged_ops.engine.norm_fusion import norm_projections
 

@@ -30,10 +30,11 @@ The same goes for the split-K TMA GEMM that ``paged_ops.small_linear`` runs for 
 deep, narrow weight on Hopper (:mod:`paged_ops.backends.triton_gemm_kernels`): one call per model
 weight and warm-up token count that the op would send there (:func:`_call_linears`), its reduce
 kernel included; they would otherwise compile in the warm-up's later steps (~1.2 s of an H200's
-first start, benchmarks/NOTES.md section 32). With ``LLM(down_norm_fusion=True)`` also the kernel
-that sums the GEMM's partials with the next norm (an H200 first start with the flag and without
-this spent 6.3 s in the later warm-up steps against 0.7 s without the flag, section 40; the gain
-is not yet measured).
+first start, benchmarks/NOTES.md section 32). With ``LLM(down_norm_fusion)`` (on by default)
+also the kernel that sums the GEMM's partials with the next norm (an H200 first start with the
+flag and without this spent 6.3 s in the later warm-up steps against 0.7 s without the flag,
+section 40; with it, 22 variants built by the child and first starts of 36.0 / 36.8 s against
+39.5 / 41.2 s without the flag, fresh caches on one lease, section 41).
 
 ``PAGED_OPS_PREBUILD_VARIANTS=0`` turns it off (to measure it).
 """
@@ -160,9 +161,10 @@ def _call_linears(
     """One split-K GEMM call per (weight, token count of ``steps``) that ``small_linear`` sends
     to it (``linear._split_k_gemm_config``: the rows, the weight's shape, the GPU), on an input of
     that many rows; returns how many calls were made. With ``norm_reduce``
-    (``LLM(down_norm_fusion=True)``) each call's partials also go through the kernel that sums
-    them with the next norm (``reduce_add_rms_norm``, as ``paged_ops.silu_mul_add_rms_norm_linear``
-    calls it: a contiguous residual and norm weight of the weight's dtype)."""
+    (``LLM(down_norm_fusion)``, on by default) each call's partials also go through the kernel
+    that sums them with the next norm (``reduce_add_rms_norm``, as
+    ``paged_ops.silu_mul_add_rms_norm_linear`` calls it: a contiguous residual and norm weight of
+    the weight's dtype)."""
     from paged_ops import linear
     from paged_ops.triton_dispatch import kernel_module
 
@@ -302,7 +304,7 @@ def start(
     ``rope``: whether the decode kernels will rotate q and k (a prediction made before the
     compile that decides it: a wrong one costs the warm-up those variants' compiles, nothing
     else); ``norm_reduce``: whether the down projections' partials will be summed by the next
-    norm's kernel (``LLM(down_norm_fusion=True)``; the same kind of prediction)."""
+    norm's kernel (``LLM(down_norm_fusion)``, on by default; the same kind of prediction)."""
     if pa.kv_cache.device.type != "cuda" or not enabled():
         return None
     work = _steps_per_variant(pa, steps)
