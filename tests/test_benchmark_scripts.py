@@ -194,6 +194,42 @@ def test_probe_reduce_norm_checks_its_fused_kernel_against_the_engines_pair(tmp_
     assert all(r["split_k"] >= 2 for r in rows)
 
 
+def test_probe_persistent_chain_equals_its_per_projection_launches_and_float64():
+    # the persistent GEMV chain (one program: every grid barrier passes at once in the
+    # interpreter) gives every layer's activations bit for bit as one launch per projection, and
+    # the chain's float64 products rounded as the kernels round them
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
+    sys.path.insert(0, str(BENCH))
+    import probe_persistent_chain as probe
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    hid, qkv, inter = 128, 192, 256
+    chain = probe.Chain(hid, qkv, inter, 2, torch.device("cpu"), torch.float16)
+    chain.h[0].copy_(torch.randn(hid))
+    buffers = (chain.h, chain.q, chain.o, chain.gu)
+    chain.phase_step(16, 64, 2, 4)
+    per_launch = [t.clone() for t in buffers]
+    for t in buffers[1:]:
+        t.zero_()
+    chain.h[1:].zero_()
+    chain.persistent_step(1, 16, 64, 2, 4, 0)
+    assert all(torch.equal(a, b) for a, b in zip(per_launch, buffers, strict=True))
+    assert chain.flag.item() == 0 and chain.counter.item() == 4 * 2  # four barriers per layer
+    h = chain.h[0].double()
+    for layer, (w_qkv, w_o, w_gu, w_down) in enumerate(chain.views):
+        q = (w_qkv.double() @ h).half()
+        o = (w_o.double() @ q[:hid].double()).half()
+        gu = (w_gu.double() @ o.double()).half()
+        act = (torch.nn.functional.silu(gu[:inter].float()) * gu[inter:].float()).half()
+        h = (w_down.double() @ act.double()).half()
+        for want, got in ((q, chain.q[layer]), (o, chain.o[layer]), (h, chain.h[layer + 1])):
+            torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-4)
+        h = h.double()
+
+
 def test_llm_keywords_keep_lists_whole():
     # --llm "cuda_graph_sizes=[1,64,256],overlap=False": commas inside brackets do not split
     sys.path.insert(0, str(BENCH))

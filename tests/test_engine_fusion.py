@@ -483,7 +483,7 @@ def test_mlp_fusion_of_the_down_projection_with_the_next_norm_keeps_the_engines_
 
 
 def test_the_default_down_norm_fusion_yields_to_fold_conds(monkeypatch):
-    # (named for mlp_fusion: the torch 2.11 leg skips it with the others)
+    # (named for norm_fusion: the torch 2.11 leg skips it with the others)
     # down_norm_fusion=None (the default) is on only where it applies: LLM(fold_conds=True)
     # builds (no ValueError, which an explicit True gets) and fuses nothing
     from engine_models import tiny_llama
