@@ -132,6 +132,16 @@ def time_graph(graph, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / replays  # us per replay
 
 
+def time_alternately(runs: dict[str, dict], rounds: int, replays: int) -> None:
+    """Append to each ``runs[name]["times"]`` the us per replay of ``runs[name]["graph"]``,
+    ``rounds`` times, every other round in reverse order (3 warm replays before each timing)."""
+    names = list(runs)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            time_graph(runs[name]["graph"], 3)
+            runs[name]["times"].append(time_graph(runs[name]["graph"], replays))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="1b", choices=sorted(SHAPES))
@@ -169,12 +179,7 @@ def main() -> None:
                     step(x)
             runs[variant.name] = {"graph": graph, "err": err, "times": []}
         if device.type == "cuda":
-            for r in range(args.rounds):
-                order = variants if r % 2 == 0 else variants[::-1]
-                for variant in order:
-                    run = runs[variant.name]
-                    time_graph(run["graph"], 3)  # warm
-                    run["times"].append(time_graph(run["graph"], args.replays))
+            time_alternately(runs, args.rounds, args.replays)
         base = None
         for variant in variants:
             run = runs[variant.name]

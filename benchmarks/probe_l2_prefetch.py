@@ -156,10 +156,7 @@ def main() -> None:
         with torch.cuda.graph(graph):
             step(x)
         runs[name] = {"graph": graph, "err": err, "times": []}
-    for r in range(args.rounds):
-        for name in args.variants if r % 2 == 0 else args.variants[::-1]:
-            bdl.time_graph(runs[name]["graph"], 3)
-            runs[name]["times"].append(bdl.time_graph(runs[name]["graph"], args.replays))
+    bdl.time_alternately(runs, args.rounds, args.replays)
     rows = []
     base = None
     for name in args.variants:

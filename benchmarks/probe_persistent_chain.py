@@ -320,10 +320,7 @@ def main() -> None:
         torch.cuda.synchronize()
         runs[name] = {"graph": graph, "out": out, "times": [],
                       "gave_up": int(chain.flag.item())}  # fmt: skip
-    for r in range(args.rounds):
-        for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
-            bdl.time_graph(runs[name]["graph"], 3)
-            runs[name]["times"].append(bdl.time_graph(runs[name]["graph"], args.replays))
+    bdl.time_alternately(runs, args.rounds, args.replays)
     phase_names = ("qkv", "o", "gate_up", "down")
     for name in variants:
         if name.startswith("persistent"):  # one more replay: its phases' clock stamps
