@@ -314,13 +314,11 @@ from paged_ops.engine import runner
 from test_engine_gpu import small_llama
 
 calls, compiled = [0], []  # the warm-up's steps so far; (step, kernel) of each codegen here
-ATTENTION = {"paged_attention_kernel", "reduce_segments_kernel", "prefill_attention_kernel"}
 make_ir, call = compiler.ASTSource.make_ir, runner.ModelRunner._call
 
 def counted_make_ir(self, *args, **kwargs):
-    name = getattr(self.fn, "__name__", "")
-    if getattr(self.fn, "__module__", "").startswith("paged_ops.") and name in ATTENTION:
-        compiled.append((calls[0], name))
+    if getattr(self.fn, "__module__", "").startswith("paged_ops."):
+        compiled.append((calls[0], getattr(self.fn, "__name__", "")))
     return make_ir(self, *args, **kwargs)
 
 def counted_call(self, *args, **kwargs):
@@ -329,17 +327,27 @@ def counted_call(self, *args, **kwargs):
 
 compiler.ASTSource.make_ir, runner.ModelRunner._call = counted_make_ir, counted_call
 llm = LLM(small_llama(torch.bfloat16), max_num_seqs=8, max_model_len=256, precompile=False)
-print(json.dumps(dict(prebuilt=llm.warmup_breakdown.get("prebuilt"), compiled=compiled,
-                      steps=calls[0])))
+breakdown = llm.warmup_breakdown
+print(json.dumps(dict(prebuilt=breakdown.get("prebuilt"), compiled=compiled, steps=calls[0],
+                      graph_prebuilt=breakdown.get("graph_prebuilt"))))
 """
+ATTENTION = {"paged_attention_kernel", "reduce_segments_kernel", "prefill_attention_kernel"}
+# the kernels of the ops that the graph prebuild predicts from the compiled graph
+GRAPH_OPS = {"small_linear_kernel", "silu_mul_kernel", "add_rms_norm_gemv_kernel",
+             "add_rms_norm_kernel", "reduce_add_rms_norm_kernel", "argmax_parts_kernel",
+             "argmax_combine_kernel", "split_k_gemm_kernel", "split_k_reduce_kernel"}  # fmt: skip
 
 
-def test_a_first_start_builds_the_attention_variants_in_a_child_process(tmp_path):
-    """First start, cold caches: the child process builds the triton attention variants, and
-    after the first (compiling) step no attention variant is compiled in the LLM's process: the
-    later warm-up steps find every one in Triton's cache (``engine/variant_prebuild.py``)."""
+def test_a_first_start_builds_the_kernel_variants_in_child_processes(tmp_path):
+    """First start, cold caches: child processes build the triton attention variants
+    (``engine/variant_prebuild.py``) and those of the projections, norms and greedy argmax that
+    the compiled graph calls (``engine/graph_prebuild.py``), and after the first (compiling) step
+    none of them is compiled in the LLM's process: the later warm-up steps and the graphs' runs
+    find every one in Triton's cache."""
     from engine_models import fresh_starts
 
     (run,) = fresh_starts(PREBUILD_CHILD, tmp_path, starts=1)
-    assert run["prebuilt"] >= 1 and run["steps"] > 2, run
-    assert all(step <= 1 for step, _ in run["compiled"]), run  # only the first step's own
+    assert run["prebuilt"] >= 1 and run["graph_prebuilt"] >= 1 and run["steps"] > 2, run
+    later = [(step, name) for step, name in run["compiled"] if step > 1]
+    assert not [c for c in later if c[1] in ATTENTION | GRAPH_OPS], run  # only the first step's
+    print(f"compiled in the LLM's process after its first step: {later}")

@@ -354,6 +354,7 @@ def compile_backend(
     fold_conds: bool = False,
     down_norm_fusion: bool = False,
     on_down_norms_fused: Callable[[int], None] | None = None,
+    on_graph: Callable[[fx.GraphModule, Sequence[Any]], None] | None = None,
 ) -> Callable:
     """A ``torch.compile`` backend: :func:`fuse_linears` (``fuse``), then with ``small_linears``
     :func:`~paged_ops.engine.norm_fusion.fuse_norm_linears` (residual add + RMSNorm + the
@@ -370,7 +371,9 @@ def compile_backend(
     the q/k/v projection). ``fold_conds`` is :func:`cond_on_one_token`'s ``conds`` for every
     fold. ``down_norm_fusion`` (without ``fold_conds``) then fuses each down projection with the
     next layer's norm-fed projection (:func:`~paged_ops.engine.mlp_fusion.fuse_down_norms`;
-    ``on_down_norms_fused`` is told how many).
+    ``on_down_norms_fused`` is told how many). ``on_graph(gm, example_inputs)`` sees each graph
+    after the passes, before ``inner`` compiles it (the engine's graph prebuild,
+    :mod:`paged_ops.engine.graph_prebuild`).
     While Inductor autotunes GEMMs (``max_autotune`` or
     ``max_autotune_gemm`` in ``torch._inductor.config`` when the graph is compiled), nothing is
     fused: its autotuner times each matmul on fresh inputs sized from the graph's own inputs, and a
@@ -410,6 +413,8 @@ def compile_backend(
             rerouted = route_small_linears(gm, max_out_features)
             if on_rerouted is not None:
                 on_rerouted(rerouted)
+        if on_graph is not None:
+            on_graph(gm, example_inputs)
         with brief_fallback_logs(), contextlib.ExitStack() as stack:
             if inductor_options:
                 from torch._inductor import config

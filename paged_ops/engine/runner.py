@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paged_ops.engine import fusion, precompile, variant_prebuild
+from paged_ops.engine import fusion, graph_prebuild, precompile, variant_prebuild
 from paged_ops.engine.regions import CompiledRegions, compile_step_function, own_code
 from paged_ops.engine.rope_tables import RopeTables
 from paged_ops.engine.sampler import greedy_ids, host_to_device
@@ -202,14 +202,14 @@ def _evict_compiled(
             reset_code(code)
 
 
-def _weak(method: Callable[[int], None]) -> Callable[[int], None]:
+def _weak(method: Callable[..., None]) -> Callable[..., None]:
     """``method`` as a callback that does not keep its instance alive: torch keeps the compile
     backend that calls it in every cache entry and in a process-wide registry of backends."""
     ref = weakref.WeakMethod(method)
 
-    def call(n: int) -> None:
+    def call(*args: Any) -> None:
         if (alive := ref()) is not None:
-            alive(n)
+            alive(*args)
 
     return call
 
@@ -314,6 +314,9 @@ class ModelRunner:
         self.num_fused_mlps = 0  # SiLU-mul products computed inside paged_ops::silu_mul_linear
         self.num_fused_ropes = 0  # q/k rotations moved into the attention op or the projection
         self.num_fused_down_norms = 0  # down projections fused with the next norm (one op)
+        # the warm-up's first compile: steps whose kernel variants the graph prebuild predicts
+        self._graph_prebuild_steps: list[tuple[int, int]] = []
+        self._graph_prebuild: variant_prebuild.Prebuild | None = None
         # precompile_dir: the saved forward's path, the function it compiled (or None until the
         # first step), whether it was loaded (checked against eager at the first warm-up step)
         self.precompiled_path: Path | None = None
@@ -349,6 +352,7 @@ class ModelRunner:
                     on_mlps_fused=_weak(self._count_mlps),
                     on_ropes_fused=_weak(self._count_ropes),
                     inductor_options=options,
+                    on_graph=_weak(self._prebuild_from_graph),
                 )
             if compile_regions:  # each decoder layer compiled on its own (engine/regions.py)
                 self.regions = CompiledRegions(model, pa, backend)
@@ -505,6 +509,14 @@ class ModelRunner:
 
     def _count_down_norms(self, fused: int) -> None:
         self.num_fused_down_norms += fused
+
+    def _prebuild_from_graph(self, gm: torch.fx.GraphModule, example_inputs: Sequence) -> None:
+        """The compile backend's ``on_graph``: at the warm-up's first compile, start the child
+        that builds the graph's projection, norm and argmax kernel variants
+        (:mod:`paged_ops.engine.graph_prebuild`); later compiles pass."""
+        steps, self._graph_prebuild_steps = self._graph_prebuild_steps, []
+        if steps and self._graph_prebuild is None:
+            self._graph_prebuild = graph_prebuild.start(gm, example_inputs, steps)
 
     def _model_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
@@ -816,6 +828,7 @@ class ModelRunner:
                 rope=self._rope_in_attention,  # (the RoPE pass matches Llama-like blocks)
                 norm_reduce=self._down_norm_fusion,  # (the pass matches Llama-like MLPs)
             )  # fmt: skip
+            self._graph_prebuild_steps = shapes + self._graph_steps()  # (the compile's own)
         try:
             for i, (tokens, seqs) in enumerate(shapes):
                 t0 = time.perf_counter()
@@ -824,13 +837,22 @@ class ModelRunner:
                 self._load_ids([0] * sum(s.num_new_tokens for s in slices), tokens)
                 self._call(tokens)
                 times["compile_s" if i == 0 else "shapes_s"] += self._elapsed(t0)
-                if i == 0 and prebuild is not None:  # the later steps find their variants
-                    t0 = time.perf_counter()
-                    built, prebuild = prebuild.wait(), None
-                    times.update(prebuild_wait_s=self._elapsed(t0), prebuilt=built)
+                if i == 0:  # the later steps find their variants
+                    self._graph_prebuild_steps = []
+                    graph_built, self._graph_prebuild = self._graph_prebuild, None
+                    if prebuild is not None or graph_built is not None:
+                        t0 = time.perf_counter()
+                        built = prebuild.wait() if prebuild is not None else 0
+                        prebuild = None
+                        graph = graph_built.wait() if graph_built is not None else 0
+                        times.update(prebuild_wait_s=self._elapsed(t0), prebuilt=built + graph,
+                                     graph_prebuilt=graph)  # fmt: skip
         finally:
-            if prebuild is not None:  # the first step failed
-                prebuild.wait(timeout_s=0.0)
+            self._graph_prebuild_steps = []
+            for child in (prebuild, self._graph_prebuild):
+                if child is not None:  # the first step failed
+                    child.wait(timeout_s=0.0)
+            self._graph_prebuild = None
         if self.verify_tokens and self._compiled:  # logits at every token: R = T rows
             t0 = time.perf_counter()
             n, seqs = self.verify_tokens + 1, min(2, self.max_num_seqs)
