@@ -16,7 +16,9 @@ warm-up's steps after the first (``more shapes``) are the ones the child prebuil
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -38,6 +40,8 @@ class StartRecorder:
         self.steps: list[dict[str, Any]] = []  # step "T/S", seconds, capturing
         self.step = "setup"
         self._undo: list[tuple[object, str, object]] = []
+        self.profile_steps: set[str] = set()  # "T/S" labels whose first run goes under cProfile
+        self.step_profiles: dict[str, list[dict[str, Any]]] = {}  # label -> top functions
 
     def install(self) -> None:
         from paged_ops.engine.runner import ModelRunner
@@ -68,10 +72,17 @@ class StartRecorder:
             capturing = cuda and torch.cuda.is_current_stream_capturing()
             if cuda and not capturing:  # (no sync inside a capture: it would invalidate it)
                 torch.cuda.synchronize()
+            profiled = recorder.step in recorder.profile_steps - set(recorder.step_profiles)
+            profiler = cProfile.Profile() if profiled and not capturing else None
             t0 = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             out = call(runner, num_tokens, logit_rows)
             if cuda and not capturing:
                 torch.cuda.synchronize()
+            if profiler is not None:
+                profiler.disable()
+                recorder.step_profiles[recorder.step] = top_functions(profiler)
             recorder.steps.append(
                 dict(step=recorder.step, s=time.perf_counter() - t0, capturing=capturing)
             )
@@ -101,6 +112,17 @@ class StartRecorder:
         for c in self.compiles:
             out[c["step"]] += c["s"]
         return dict(out)
+
+
+def top_functions(profiler: cProfile.Profile, count: int = 30) -> list[dict[str, Any]]:
+    """The ``count`` functions with the most cumulative time in ``profiler``'s run:
+    ``{"function", "cum_s", "own_s", "calls"}``."""
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (file, line, name), (_, calls, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append(dict(function=f"{Path(file).name}:{line}({name})", cum_s=round(cum, 4),
+                         own_s=round(own, 4), calls=calls))  # fmt: skip
+    return sorted(rows, key=lambda r: -r["cum_s"])[:count]
 
 
 def prompt_step_kernels(llm, cfg, prompts: int, prompt_len: int) -> dict[str, Any]:
@@ -140,6 +162,11 @@ def main() -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile + CUDA graphs (as bench_generate.py)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
+    parser.add_argument(
+        "--profile-steps",
+        default="",
+        help='warm-up steps "T/S,..." whose first run goes under cProfile',
+    )
     parser.add_argument("--out", default=None)
     own = parser.parse_args()
     argv = ["--systems", "paged_ops", "--backend", own.backend, "--batches", own.batches,
@@ -149,6 +176,7 @@ def main() -> None:
     cfg = bg.llama_1b_config(args.layers, tiny=own.tiny, head_dim=args.head_dim)
     model = bg.build_model(cfg, bg.DEVICE)
     recorder = StartRecorder()
+    recorder.profile_steps = {st for st in own.profile_steps.split(",") if st}
     recorder.install()
     try:
         t0 = time.perf_counter()
@@ -167,12 +195,19 @@ def main() -> None:
     for st in recorder.steps:
         mark = "  (capture)" if st["capturing"] else ""
         print(f"  {st['step']:12s} {st['s']:7.3f} ({per_step.get(st['step'], 0.0):.2f}){mark}")
+    for label, rows in recorder.step_profiles.items():
+        print(f"step {label} under cProfile, by cumulative time:")
+        for r in rows:
+            print(
+                f"  {r['cum_s']:8.3f} s cum {r['own_s']:8.3f} s own {r['calls']:7d}  {r['function']}"
+            )
     result: dict[str, Any] = dict(
         settings=dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       torch=torch.__version__, batches=batches, llm_kwargs=args.llm,
                       host_probe_ms=bg.host_probe_ms()),
         ready_s=total, warmup_breakdown=llm.warmup_breakdown, compiles=recorder.compiles,
         compiles_by_kernel=recorder.by_kernel(), steps=recorder.steps,
+        step_profiles=recorder.step_profiles,
     )  # fmt: skip
     if bg.DEVICE.type == "cuda" and own.profile_prompts:
         step = prompt_step_kernels(llm, cfg, own.profile_prompts, own.prompt_len)

@@ -152,11 +152,15 @@ def test_probe_regional_compile_times_a_first_start_with_regions(tmp_path):
 
 def test_probe_first_start_times_each_warm_up_step(tmp_path):
     result = run_script("probe_first_start.py", "--backend", "auto", "--batches", "1,3",
-                        "--no-compile", out=tmp_path / "start.json")  # fmt: skip
+                        "--no-compile", "--profile-steps", "2/2", out=tmp_path / "start.json")  # fmt: skip
     # the warm-up's fixed steps for 3 sequences on a CPU (no graphs), in order, each timed
     steps = [(st["step"], st["capturing"]) for st in result["steps"]]
     assert steps == [("16/2", False), ("2/2", False), ("1/1", False)]
     assert all(st["s"] > 0 for st in result["steps"])
+    # the step asked for ran under cProfile: the runner's call is among its functions, timed
+    (label, rows), *others = result["step_profiles"].items()
+    assert label == "2/2" and not others
+    assert any("(_call)" in r["function"] and r["cum_s"] > 0 for r in rows)
     assert result["warmup_breakdown"]["num_shapes"] == 3 and result["ready_s"] > 0
     assert result["settings"]["batches"] == [1, 3]
 
