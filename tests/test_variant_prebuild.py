@@ -127,3 +127,31 @@ def test_a_variant_the_child_cannot_build_is_reported_and_costs_nothing_else(cap
     slow = variant_prebuild.spawn([bad], target)
     assert slow.wait(timeout_s=0.0) == 0 and slow.process.returncode is not None  # killed
     assert not slow.workdir.exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_the_child_builds_a_launcher_only_where_triton_compiles_one_per_signature(monkeypatch):
+    # triton 3.6 (the GPU machine's) runs the C compiler for each kernel signature's launcher when
+    # a kernel first loads in a process (~0.25 s each): the child builds it from the compiled
+    # kernel's source and metadata into Triton's cache; a generic launcher (later triton) or
+    # another backend has nothing to build
+    from triton.backends.nvidia import driver as nvidia
+
+    built = []
+
+    class Launcher:  # stands in for 3.6's CudaLauncher: compiles (or finds) the launcher module
+        def __init__(self, src, metadata):
+            built.append((src, metadata))
+
+    class Compiled:
+        src, metadata = object(), object()
+
+    cuda = {"backend": "cuda", "arch": 90, "warp_size": 32}
+    monkeypatch.setattr(nvidia, "CudaLauncher", Launcher)
+    monkeypatch.delattr(nvidia, "make_launcher", raising=False)
+    assert not variant_prebuild.build_launcher(Compiled, cuda) and built == []  # generic launcher
+    monkeypatch.setattr(nvidia, "make_launcher", lambda *a: "", raising=False)
+    assert variant_prebuild.build_launcher(Compiled, cuda)
+    assert built == [(Compiled.src, Compiled.metadata)]
+    assert not variant_prebuild.build_launcher(Compiled, {**cuda, "backend": "hip"})
+    assert len(built) == 1

@@ -36,7 +36,14 @@ flag and without this spent 6.3 s in the later warm-up steps against 0.7 s witho
 section 40; with it, 22 variants built by the child and first starts of 36.0 / 36.8 s against
 39.5 / 41.2 s without the flag, fresh caches on one lease, section 41).
 
-``PAGED_OPS_PREBUILD_VARIANTS=0`` turns it off (to measure it).
+The child also builds each variant's C launcher where Triton compiles one per kernel signature
+(triton 3.6, the GPU machine's: the host's C compiler, ~0.25 s each, when a kernel first loads in
+a process; :func:`build_launcher`): on an H200 first start that was ~5 s of the first step and
+2.3 s of the later warm-up steps (benchmarks/NOTES.md section 42). The second child, for the
+projection, norm and argmax kernels the compiled graph calls, is
+:mod:`paged_ops.engine.graph_prebuild`'s.
+
+``PAGED_OPS_PREBUILD_VARIANTS=0`` turns both off (to measure them).
 """
 
 from __future__ import annotations
@@ -341,24 +348,51 @@ class _TargetOnlyDriver:
         return self.target
 
 
+def build_launcher(compiled: Any, target: dict[str, Any]) -> bool:
+    """Build the C launcher of ``compiled`` (a ``CompiledKernel``) into Triton's on-disk cache
+    where Triton compiles one per kernel signature: triton 3.6 (the GPU machine's) runs the host's
+    C compiler for it when a kernel is first loaded in a process, ~0.25 s each on an H200 host
+    (benchmarks/NOTES.md section 42: 0.7-0.8 s of each of the warm-up steps 64/2 and 1/1 on a
+    first start); later Triton versions launch through one generic launcher and have nothing to
+    build. Returns whether it built (or found) one."""
+    if target.get("backend") != "cuda":
+        return False
+    from triton.backends.nvidia import driver as nvidia
+
+    if not hasattr(nvidia, "make_launcher"):  # a generic launcher (triton >= 3.7)
+        return False
+    nvidia.CudaLauncher(compiled.src, compiled.metadata)  # compiles it, or loads it from the cache
+    return True
+
+
 def compile_records(records: list[dict[str, str]], target: dict[str, Any]) -> dict[str, Any]:
     """Compile each record's variant (``JITFunction.preload``) for ``target`` into Triton's
-    on-disk cache, a variant at a time; returns ``{"built": n, "failed": [why, ...], "s": t}``."""
+    on-disk cache, a variant at a time, and its launcher where Triton builds one per signature
+    (:func:`build_launcher`); returns ``{"built": n, "launchers": n, "failed": [why, ...], "s":
+    t}`` (a launcher that did not build is reported in ``failed`` and does not count against its
+    variant: the LLM's process builds it as without the child)."""
     import importlib
 
     from triton.runtime import driver
 
     t0 = time.perf_counter()
     driver.set_active(_TargetOnlyDriver(target))
-    built, failed = 0, []
+    built, launchers, failed = 0, 0, []
     for record in records:
+        name = f"{record['module']}.{record['name']}"
         try:
             kernel = getattr(importlib.import_module(record["module"]), record["name"])
-            kernel.preload(record["data"])
+            compiled = kernel.preload(record["data"])
             built += 1
         except Exception as e:  # noqa: BLE001 - reported; the parent compiles it if it must
-            failed.append(f"{record['module']}.{record['name']}: {e!r}")
-    return {"built": built, "failed": failed, "s": round(time.perf_counter() - t0, 3)}
+            failed.append(f"{name}: {e!r}")
+            continue
+        try:
+            launchers += build_launcher(compiled, target)
+        except Exception as e:  # noqa: BLE001 - reported; the parent builds it if it must
+            failed.append(f"{name}'s launcher: {e!r}")
+    return {"built": built, "launchers": launchers, "failed": failed,
+            "s": round(time.perf_counter() - t0, 3)}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
