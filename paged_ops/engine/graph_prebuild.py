@@ -54,7 +54,7 @@ class _Unpredictable(Exception):
 
 
 def graph_targets() -> set[Callable]:
-    """The graph call targets whose kernels :func:`predicted_calls` foresees: the projection
+    """The graph call targets whose kernels :func:`calls_at` foresees: the projection
     wrappers the graph passes insert and the ops they (or ``route_small_linears`` and the
     engine's greedy choice) call."""
     import paged_ops.argmax

@@ -278,6 +278,8 @@ class Prebuild:
         if built < self.num_variants:  # costs start-up time only: the steps compile the rest
             logger.info("variant prebuild: %d of %d kernel variants built; %s",
                         built, self.num_variants, why)  # fmt: skip
+        elif why:  # a launcher the child could not build: the LLM's process builds it
+            logger.debug("variant prebuild: %s", why)
         shutil.rmtree(self.workdir, ignore_errors=True)
         return built
 
