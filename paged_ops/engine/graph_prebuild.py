@@ -13,7 +13,7 @@ warm-up's later steps and graph runs on an H200's first start (benchmarks/NOTES.
 
 How: the compile backend (``fusion.compile_backend(on_graph=...)``) hands over the Dynamo graph
 after the passes and before Inductor, whose lowering and code generation then take most of the
-compile. :func:`calls_at` picks the graph's calls of those ops (:func:`graph_targets`),
+compile. :func:`predicted_calls` picks the graph's calls of those ops (:func:`graph_targets`),
 one per distinct signature (the layers' calls differ only in their weights), and gives each
 concrete arguments for every warm-up and graph step ``(T, S)``: the graph's symbolic sizes are
 mapped to T and S by their values in the traced step (the warm-up's first, whose T and S differ),
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -54,7 +54,7 @@ class _Unpredictable(Exception):
 
 
 def graph_targets() -> set[Callable]:
-    """The graph call targets whose kernels :func:`calls_at` foresees: the projection
+    """The graph call targets whose kernels :func:`predicted_calls` foresees: the projection
     wrappers the graph passes insert and the ops they (or ``route_small_linears`` and the
     engine's greedy choice) call."""
     import paged_ops.argmax
@@ -150,10 +150,20 @@ def calls_at(
     gm: fx.GraphModule, example_inputs: Sequence[Any], traced: Step, step: Step
 ) -> list[tuple[Callable, tuple, dict]]:
     """``(target, args, kwargs)`` of each distinct :func:`graph_targets` call of ``gm`` (traced
-    at step ``traced``) with arguments for step ``step``; calls with a size that is neither T
-    nor S are left out. An argument the graph passes made (no traced value: a stacked weight's
-    view, another fused call's output) is computed by running its node, so making the
-    arguments can run such calls (:func:`start` does it while recording)."""
+    at step ``traced``) with arguments for step ``step``: :func:`predicted_calls` for one step."""
+    return [(t, a, k) for _, t, a, k in predicted_calls(gm, example_inputs, traced, [step])]
+
+
+def predicted_calls(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], traced: Step, steps: Sequence[Step]
+) -> Iterator[tuple[Step, Callable, tuple, dict]]:
+    """``(step, target, args, kwargs)``: each distinct :func:`graph_targets` call of ``gm``
+    (traced at step ``traced``; ``example_inputs`` its inputs, in placeholder order) with
+    arguments for each of ``steps`` in turn (one step's arguments are made when the caller asks
+    for its first call); calls with a size that is neither T nor S are left out. The calls are
+    picked and the sizes mapped once. An argument the graph passes made (no traced value: a
+    stacked weight's view, another fused call's output) is computed by running its node, so
+    making the arguments can run such calls (:func:`start` does it while recording)."""
     targets = graph_targets()
     nodes, seen = [], set()
     for node in gm.graph.nodes:
@@ -165,44 +175,46 @@ def calls_at(
             nodes.append(node)
     which = _step_symbols(nodes, traced)
     if not nodes or which is None:
-        return []
-    sizes = {symbol: step[i] for symbol, i in which.items()}
+        return
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = dict(zip(placeholders, example_inputs, strict=False))  # (inputs may be fewer)
-
-    made: dict[fx.Node, Any] = {}
     evaluated = _EVALUATED | targets
 
-    def concrete(arg: Any) -> Any:
-        if not isinstance(arg, fx.Node):
-            return arg
-        if arg in made:
-            return made[arg]
-        value = arg.meta.get("example_value")
-        if isinstance(value, torch.Tensor):
-            fixed = not any(isinstance(n, torch.SymInt) for n in (*value.shape, *value.stride()))
-            real = inputs.get(arg)  # a weight: the model's own tensor (its pointer's alignment)
-            out = real if fixed and isinstance(real, torch.Tensor) else _tensor_like(value, sizes)
-        elif isinstance(value, (int, float, bool, torch.SymInt)):
-            out = _int(value, sizes) if isinstance(value, torch.SymInt) else value
-        elif value is None and arg.op == "call_function" and arg.target in evaluated:
-            # a node the passes added (a stacked weight's view, a fused call's output): run it
-            args, kwargs = tree_map(concrete, (tuple(arg.args), dict(arg.kwargs)))
-            out = arg.target(*args, **kwargs)
-        else:
-            raise _Unpredictable(f"{arg.name}: {type(value).__name__}")
-        made[arg] = out
-        return out
+    for step in steps:
+        sizes = {symbol: step[i] for symbol, i in which.items()}
+        made: dict[fx.Node, Any] = {}
 
-    calls = []
-    for node in nodes:
-        try:
-            args, kwargs = tree_map(concrete, (tuple(node.args), dict(node.kwargs)))
-        except _Unpredictable as e:
-            logger.debug("graph prebuild: %s at %s left out (%s)", node.name, step, e)
-            continue
-        calls.append((node.target, args, kwargs))
-    return calls
+        def concrete(arg: Any, sizes: dict = sizes, made: dict = made) -> Any:
+            if not isinstance(arg, fx.Node):
+                return arg
+            if arg in made:
+                return made[arg]
+            value = arg.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                shape = (*value.shape, *value.stride())
+                fixed = not any(isinstance(n, torch.SymInt) for n in shape)
+                real = inputs.get(arg)  # a weight: the model's own tensor (its pointer's alignment)
+                out = (
+                    real if fixed and isinstance(real, torch.Tensor) else _tensor_like(value, sizes)
+                )
+            elif isinstance(value, (int, float, bool, torch.SymInt)):
+                out = _int(value, sizes) if isinstance(value, torch.SymInt) else value
+            elif value is None and arg.op == "call_function" and arg.target in evaluated:
+                # a node the passes added (a stacked weight's view, a fused call's output): run it
+                args, kwargs = tree_map(concrete, (tuple(arg.args), dict(arg.kwargs)))
+                out = arg.target(*args, **kwargs)
+            else:
+                raise _Unpredictable(f"{arg.name}: {type(value).__name__}")
+            made[arg] = out
+            return out
+
+        for node in nodes:
+            try:
+                args, kwargs = tree_map(concrete, (tuple(node.args), dict(node.kwargs)))
+            except _Unpredictable as e:
+                logger.debug("graph prebuild: %s at %s left out (%s)", node.name, step, e)
+                continue
+            yield step, node.target, args, kwargs
 
 
 def start(
@@ -217,16 +229,16 @@ def start(
     try:
         made = 0
         with torch.inference_mode(), variant_prebuild.recording_variants() as records:
-            for step in dict.fromkeys(steps):
-                for target, args, kwargs in calls_at(gm, example_inputs, steps[0], step):
-                    if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
-                        return None
-                    try:
-                        target(*args, **kwargs)
-                    except Exception as e:  # noqa: BLE001 - that step compiles it
-                        logger.debug("graph prebuild: %s at %s failed: %r", target, step, e)
-                        continue
-                    made += 1
+            calls = predicted_calls(gm, example_inputs, steps[0], list(dict.fromkeys(steps)))
+            for step, target, args, kwargs in calls:
+                if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+                    return None
+                try:
+                    target(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001 - that step compiles it
+                    logger.debug("graph prebuild: %s at %s failed: %r", target, step, e)
+                    continue
+                made += 1
         logger.debug("graph prebuild: %d calls, %d new variants", made, len(records))
         if not records:
             return None
