@@ -22,6 +22,7 @@ from paged_ops.engine import (
     TokenLogprob,
     configure_compile_caches,
 )
+from paged_ops.gated_mlp import add_rms_norm_gated_mlp
 from paged_ops.linear import small_linear
 from paged_ops.metadata import AttentionMetadata, MetadataBuilder, SequenceSlice
 from paged_ops.mlp_linear import silu_mul_linear
@@ -48,6 +49,7 @@ __all__ = [
     "SpeculativeConfig",
     "StreamChunk",
     "TokenLogprob",
+    "add_rms_norm_gated_mlp",
     "add_rms_norm_linear",
     "available_backends",
     "blocks_needed",

@@ -28,6 +28,7 @@ from paged_ops.triton_dispatch import kernel_module, num_sms_of, runs_kernels_on
 
 SMALL_M_MAX = 16  # rows (tokens) up to which the Triton GEMV runs; above it cuBLAS's GEMM
 SPLIT_K_GEMM_ROWS = (64, 256)  # rows (inclusive) at which a deep, narrow weight takes the TMA GEMM
+GATED_GEMM_MIN_ROWS = 33  # rows from which a gated MLP's gate/up + SiLU-mul take the gated GEMM
 _graph_kernels = 0  # open graph_kernels() blocks
 
 _lib = torch.library.Library("paged_ops", "FRAGMENT")  # noqa: TOR901 (kept alive for the process)
@@ -125,6 +126,39 @@ def _split_k_gemm_config(x2d: torch.Tensor, weight: torch.Tensor):  # -> GemmCon
     # its gain is the split: a shape whose tiles alone fill the GPU stays on cuBLAS (the 8B's
     # 4096 x 14336 down projection at 192-256 rows: 2-4% slower unsplit, section 32)
     return config if config.split_k > 1 else None
+
+
+def gated_gemm_applies(m: int, k: int, dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+    """Whether a gated MLP's ``silu(x @ Wg^T) * (x @ Wu^T)`` for ``x[m, k]`` is one the gated
+    TMA GEMM (:func:`~paged_ops.backends.triton_gemm_kernels.gated_gemm`) serves faster than
+    cuBLAS's gate/up GEMM and the SiLU-mul kernel after it: a Hopper GPU (``capability`` 9.x),
+    float16/bfloat16, at least ``GATED_GEMM_MIN_ROWS`` rows. Measured on an H200 at the 1B's
+    16384 x 2048 gate/up weight (benchmarks/NOTES.md section 43): 19.4 / 21.3 / 28.5 / 450.6 us
+    against 21.7 / 24.0 / 31.0 / 478.9 at 64 / 128 / 256 / 4,096 rows, a tie at 32."""
+    return (
+        capability[0] == 9 and dtype in (torch.float16, torch.bfloat16) and m >= GATED_GEMM_MIN_ROWS
+    )
+
+
+def gated_gemm_config(x2d: torch.Tensor, weight: torch.Tensor):  # -> GemmConfig | None
+    """The gated GEMM's launch config for ``x2d [M, K]`` (the normalised rows, contiguous) and
+    a stacked ``[2I, K]`` gate/up ``weight`` when that kernel serves them, else None (CUDA only;
+    ``PAGED_OPS_GATED_GEMM=0`` turns it off, for A/B runs)."""
+    if not x2d.is_cuda or os.environ.get("PAGED_OPS_GATED_GEMM", "1") == "0":
+        return None
+    m, k = x2d.shape
+    index = x2d.device.index if x2d.device.index is not None else torch.cuda.current_device()
+    if not (
+        gated_gemm_applies(m, k, x2d.dtype, _capability(index))
+        and weight.shape[0] % 2 == 0
+        and (k * x2d.element_size()) % 16 == 0
+        and _tma_ready(weight)
+    ):
+        return None
+    gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
+    if gemm is None:
+        return None
+    return gemm.gated_gemm_config(m, weight.shape[0] // 2, k, num_sms_of(x2d.device))
 
 
 @contextlib.contextmanager

@@ -80,12 +80,48 @@ def _impl(
             down, residual, norm_weight, eps, weight
         )
     product = mlp_kernels.silu_mul(gate2d, up2d)  # [M, I], as silu_mul_linear forms it
-    gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
-    partials = gemm.split_k_gemm(product, down_weight, config=config, reduce=False)  # [S, M, H]
-    h, y = norm_kernels.reduce_add_rms_norm(partials, r2d, norm_weight.contiguous(), eps)
-    out = linear.project_rows(y, weight)  # [M, N], as add_rms_norm_linear projects
+    out, h = reduce_norm_project(product, down_weight, r2d, norm_weight, eps, weight, config)
     lead = gate.shape[:-1]
     return out.view(*lead, weight.shape[0]), h.view(*lead, hidden)
+
+
+def down_add_rms_norm_linear(
+    product: torch.Tensor,  # [M, I], silu(gate) * up
+    down_weight: torch.Tensor,  # [H, I]
+    residual: torch.Tensor,  # [M, H]
+    norm_weight: torch.Tensor,  # [H]
+    eps: float,
+    weight: torch.Tensor,  # [N, H]
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [M, N], h [M, H]
+    """The op's value from an already formed product of more than ``SMALL_M_MAX`` rows (the
+    gated GEMM's output, :mod:`paged_ops.gated_mlp`): the split-K GEMM's partials summed by the
+    norm kernel where the down projection takes that GEMM, else ``small_linear``'s projection
+    and ``add_rms_norm_linear``; shapes checked by the caller."""
+    config = _fused_route(product, down_weight)
+    if config is None or residual.stride(-1) != 1:
+        down = linear.project_rows(product, down_weight)  # [M, H], as silu_mul_linear projects
+        return torch.ops.paged_ops.add_rms_norm_linear.default(
+            down, residual, norm_weight, eps, weight
+        )
+    return reduce_norm_project(product, down_weight, residual, norm_weight, eps, weight, config)
+
+
+def reduce_norm_project(
+    product: torch.Tensor,  # [M, I]
+    down_weight: torch.Tensor,  # [H, I]
+    residual: torch.Tensor,  # [M, H], unit last stride
+    norm_weight: torch.Tensor,  # [H]
+    eps: float,
+    weight: torch.Tensor,  # [N, H]
+    config,  # noqa: ANN001 (a GemmConfig that splits K)
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [M, N], h [M, H]
+    """The fused route: the down projection's split-K partials, one kernel that sums them, adds
+    the residual and normalises, then the projection of the norm."""
+    gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
+    norm_kernels = kernel_module("paged_ops.backends.triton_norm_linear_kernels")
+    partials = gemm.split_k_gemm(product, down_weight, config=config, reduce=False)  # [S, M, H]
+    h, y = norm_kernels.reduce_add_rms_norm(partials, residual, norm_weight.contiguous(), eps)
+    return linear.project_rows(y, weight), h  # [M, N], as add_rms_norm_linear projects
 
 
 for _device in ("CPU", "CUDA"):

@@ -158,12 +158,17 @@ def test_small_linear_pass_reroutes_linears_up_to_a_width_with_the_same_logits(m
         )
         seen["rope"] = sum(n.target is rope_fusion.norm_projections_rope for n in gm.graph.nodes)
         seen["mlp"] = sum(n.target is mlp_fusion.silu_mul_projection for n in gm.graph.nodes)
+        seen["gated"] = sum(
+            n.target is torch.ops.paged_ops.add_rms_norm_gated_mlp.default for n in gm.graph.nodes
+        )
 
     rerouted: list[int] = []
     norms: list[int] = []
+    gated: list[int] = []
     backend = fusion.compile_backend(
         aot_eager_after(look), small_linears=True, max_out_features=max_out,
         on_rerouted=rerouted.append, on_norms_fused=norms.append,
+        on_gated_mlps_fused=gated.append,
     )  # fmt: skip
     logits = compiled_run(model, run, backend)
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
@@ -171,13 +176,15 @@ def test_small_linear_pass_reroutes_linears_up_to_a_width_with_the_same_logits(m
     # (every one but layer 0's input norm and the final norm, which feeds the head through a
     # slice) go into the projections that read them, within max_out_features; every down
     # projection (64 rows) takes its SiLU-mul, and the norm-fed q/k/v projections (all but layer
-    # 0's) the rotation of q and k
+    # 0's) the rotation of q and k; a fused gate/up norm then joins its down projection
+    # (add_rms_norm_gated_mlp: the last layer's alone, the others' with the next q/k/v norm)
     kept = 0 if max_out is None else num_layers
     fused = num_layers - 1 + (num_layers - kept)
     small = 4 * num_layers + 1 - kept - fused - num_layers
-    assert seen == {"linear": kept, "small": small, "norm": fused, "rope": num_layers - 1,
-                    "mlp": num_layers}  # fmt: skip
-    assert rerouted == [seen["small"]] and norms == [fused]
+    mlps = num_layers - kept  # the gate/up norms fused
+    assert seen == {"linear": kept, "small": small, "norm": fused - mlps,
+                    "rope": num_layers - 1, "mlp": num_layers - mlps, "gated": mlps}  # fmt: skip
+    assert rerouted == [seen["small"]] and norms == [fused] and gated == [mlps]
 
 
 def test_inductor_options_apply_while_the_inner_backend_compiles(monkeypatch):
@@ -480,6 +487,61 @@ def test_mlp_fusion_of_the_down_projection_with_the_next_norm_keeps_the_engines_
             assert fused_reduces == []
     assert outs[True] == outs[False]
     assert bool(fused_reduces) == split_k_route  # the 19-token prompt's step fused its reduces
+
+
+@pytest.mark.parametrize("gated_route", [False, True], ids=["cpu_routes", "gated_forced"])
+def test_mlp_fusion_of_the_gate_up_projection_keeps_the_engines_tokens(gated_route, monkeypatch):
+    # (named for mlp_fusion: the torch 2.11 leg, whose triton cannot interpret, skips those)
+    # without fold_conds each MLP's norm-fed gate/up projection joins its down projection
+    # (paged_ops::add_rms_norm_gated_mlp; layers 0-1 with the next norm's projection too): the
+    # engine's greedy tokens equal the same engine without the pass, and its logprobs too,
+    # bitwise on the CPU's routes and to float32 noise where every 17+-row step takes the
+    # gated GEMM (forced: a Hopper graph step's route; the 19-token prompt's step does)
+    from engine_models import prompts_of, tiny_llama
+
+    from paged_ops import LLM, SamplingParams, linear
+    from paged_ops.backends import triton_gemm_kernels as gemm
+    from paged_ops.backends.triton_gemm_kernels import GemmConfig
+    from paged_ops.engine import mlp_fusion, runner
+
+    pytest.importorskip("paged_ops.backends.triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1")
+    monkeypatch.setattr(runner, "INNER_BACKEND", "aot_eager")
+    launches: list = []
+    if gated_route:
+        config = GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
+        monkeypatch.setattr(linear, "_graph_step", lambda x: True)
+        monkeypatch.setattr(
+            linear, "gated_gemm_config", lambda x2d, w: config if x2d.shape[0] >= 17 else None
+        )
+        launch = gemm.gated_gemm
+        monkeypatch.setattr(gemm, "gated_gemm", lambda *a: launches.append(1) or launch(*a))
+    prompts = prompts_of([19, 3], seed=6)
+    params = SamplingParams(max_new_tokens=4, logprobs=1)
+    outs = {}
+    for fuse in (False, True):
+        with monkeypatch.context() as patch:
+            if not fuse:
+                patch.setattr(mlp_fusion, "fuse_gated_mlps", lambda gm: 0)
+            torch._dynamo.reset()
+            llm = LLM(tiny_llama(seed=7, layers=3), backend="triton", block_size=4,
+                      max_num_seqs=2, max_model_len=40, num_blocks=32, compile=True,
+                      small_linears=True)  # fmt: skip
+            assert llm.runner.num_fused_gated_mlps == (3 if fuse else 0)
+            assert llm.runner.num_fused_down_norms == 2  # the passes before it ran as they did
+            got = llm.generate(prompts, params, use_tqdm=False)
+            outs[fuse] = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in got]
+            llm.close()
+        if not fuse:
+            assert launches == []
+    assert [t for t, _ in outs[True]] == [t for t, _ in outs[False]]
+    logprobs, fused_logprobs = ([lp for _, lp in outs[f]] for f in (False, True))
+    if gated_route:
+        assert launches  # the 19-token prompt's step took the gated GEMM
+        torch.testing.assert_close(fused_logprobs, logprobs, rtol=1e-4, atol=1e-4)
+    else:
+        assert fused_logprobs == logprobs
 
 
 def test_the_default_down_norm_fusion_yields_to_fold_conds(monkeypatch):

@@ -56,10 +56,14 @@ def test_the_traced_graphs_calls_get_each_steps_sizes(monkeypatch):
     small_linear = torch.ops.paged_ops.small_linear.default
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     # 3 layers: layer 0's q/k/v (no residual add before its norm) and o x 3 through small_linear,
-    # with the LM head; 2 q/k/v and 3 gate/up norms fused, 2 of the gate/ups with the down
-    # projection before them; the last down projection alone
+    # with the LM head; each layer's gate/up norm, its MLP and (layers 0-1) the next layer's
+    # q/k/v norm in one add_rms_norm_gated_mlp
+    gated = torch.ops.paged_ops.add_rms_norm_gated_mlp.default
     assert sum(n.target is small_linear for n in nodes) == 5
-    assert sum(n.target in (norm_projections, down_norm_projections) for n in nodes) == 5
+    assert sum(n.target is gated for n in nodes) == 3
+    assert not any(
+        n.target in (norm_projections, down_norm_projections, silu_mul_projection) for n in nodes
+    )
     for tokens, seqs in [(1, 1), (2, 2), (7, 3), (40, 4)]:
         calls = graph_prebuild.calls_at(gm, inputs, traced, (tokens, seqs))
         # one per signature, not one per layer; each target's calls by their shapes
@@ -72,18 +76,13 @@ def test_the_traced_graphs_calls_get_each_steps_sizes(monkeypatch):
             (((1, tokens, hidden), (hidden, hidden), None), ()),  # o
             (((1, seqs, hidden), (VOCAB, hidden), None), ()),  # LM head: a row per sequence
         }
-        row = (1, tokens, hidden)
-        assert by[norm_projections] == {  # gate/up (layer 2, after the last o projection)
-            ((row, row, (hidden,), cfg.rms_norm_eps, (2 * inter, hidden)), (("conds", False),)),
+        row, eps = (1, tokens, hidden), cfg.rms_norm_eps
+        mlp = (row, row, (hidden,), eps, (2 * inter, hidden), (hidden, inter))
+        assert by[gated] == {
+            (mlp, ()),  # layer 2's MLP, read by the final norm
+            ((*mlp, (hidden,), eps, (qkv, hidden)), ()),  # layers 0-1's, then the next q/k/v
         }
-        assert by[down_norm_projections] == {  # down, then the next layer's q/k/v
-            ((row, (1, tokens, 2 * inter), (hidden, inter), (hidden,), cfg.rms_norm_eps,
-              (qkv, hidden)), ()),
-        }  # fmt: skip
-        assert by[silu_mul_projection] == {
-            (((1, tokens, 2 * inter), (hidden, inter)), (("conds", False),)),
-        }
-        assert len(calls) == 6
+        assert len(calls) == 5
         for target, args, kwargs in calls:  # each runs (the CPU route) on the made arguments
             out = target(*args, **kwargs)
             first = out[0] if isinstance(out, tuple) else out

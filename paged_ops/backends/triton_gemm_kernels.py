@@ -149,3 +149,83 @@ def split_k_gemm(
             HAS_BIAS=has_bias, SPLIT_K=split, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def gated_gemm_kernel(
+    x_desc,  # [M, K] tensor descriptor, block [BLOCK_M, BLOCK_K]
+    w_desc,  # [2I, K] tensor descriptor (gate rows, then up rows), block [BLOCK_N, BLOCK_K]
+    out_ptr,  # [M, I] contiguous, x's dtype
+    M,
+    I,  # noqa: E741 (the MLP's intermediate size)
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Program ``p``: the ``[BLOCK_M, BLOCK_N]`` tile of ``silu(x @ Wg^T) * (x @ Wu^T)``, both
+    products accumulated in float32 from one load of x per K step, each rounded to x's dtype
+    (as the unfused gate/up projection stores them), then SiLU-mul in float32, rounded once (as
+    :func:`~paged_ops.backends.triton_linear_kernels.silu_mul_kernel` does)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pm = pid % num_m  # M fastest: CTAs sharing a weight tile run together (one HBM read)
+    pn = pid // num_m
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        a = x_desc.load([pm * BLOCK_M, k])  # [BLOCK_M, BLOCK_K]; past M or K: zeros
+        wg = w_desc.load([pn * BLOCK_N, k])  # [BLOCK_N, BLOCK_K] gate rows
+        wu = w_desc.load([I + pn * BLOCK_N, k])  # [BLOCK_N, BLOCK_K] up rows; past 2I: zeros
+        acc_g = tl.dot(a, wg.T, acc_g)
+        acc_u = tl.dot(a, wu.T, acc_u)
+    dtype = out_ptr.dtype.element_ty
+    g = acc_g.to(dtype).to(tl.float32)
+    u = acc_u.to(dtype).to(tl.float32)
+    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < I)  # gate columns past I read up rows: not stored
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * I + rn[None, :], (g * tl.sigmoid(g) * u).to(dtype),
+             mask=mask)  # fmt: skip
+
+
+def gated_gemm_config(m: int, width: int, k: int, num_sms: int) -> GemmConfig:
+    """Default launch choices of :func:`gated_gemm` for ``x[m, k]`` and a ``[2 * width, k]``
+    gate/up weight (16-bit) on a GPU with ``num_sms`` SMs (``split_k`` is unused: 1).
+
+    From the H200 sweep of ``benchmarks/probe_gated_gemm.py`` (the 1B's 16384 x 2048 weight,
+    27 configs; benchmarks/NOTES.md section 43): 64 x 64 tiles with 4 warps and 4 stages up to
+    128 rows (128 of K per step up to 64 rows: fewer, longer steps while the CTAs are few), then
+    128 x 128 tiles, 64 of K, 8 warps, 4 stages (best at 256 and 4,096 rows)."""
+    if m <= 64:
+        return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if m <= 128:
+        return GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
+    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+
+
+def gated_gemm(
+    x: torch.Tensor,  # [M, K], 16-bit, unit last stride, 16-byte aligned rows
+    weight: torch.Tensor,  # [2I, K] gate rows then up rows, same
+    config: GemmConfig | None = None,
+) -> torch.Tensor:  # [M, I], x's dtype
+    """``silu(x @ Wg^T) * (x @ Wu^T)`` for ``Wg, Wu = weight.chunk(2)`` in one launch: a gated
+    MLP's gate/up projection and activation without the ``[M, 2I]`` round trip; shapes
+    unchecked (the caller validates them and decides when this kernel serves)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x.shape
+    width = weight.shape[0] // 2
+    if config is None:
+        config = gated_gemm_config(m, width, k, num_sms_of(x.device))
+    x_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
+    w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
+    out = torch.empty((m, width), device=x.device, dtype=x.dtype)  # [M, I]
+    grid = (cdiv(m, config.block_m) * cdiv(width, config.block_n),)
+    launcher(gated_gemm_kernel)[grid](
+        x_desc, w_desc, out, m, width, k,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out

@@ -355,6 +355,7 @@ def compile_backend(
     down_norm_fusion: bool = False,
     on_down_norms_fused: Callable[[int], None] | None = None,
     on_graph: Callable[[fx.GraphModule, Sequence[Any]], None] | None = None,
+    on_gated_mlps_fused: Callable[[int], None] | None = None,
 ) -> Callable:
     """A ``torch.compile`` backend: :func:`fuse_linears` (``fuse``), then with ``small_linears``
     :func:`~paged_ops.engine.norm_fusion.fuse_norm_linears` (residual add + RMSNorm + the
@@ -371,7 +372,10 @@ def compile_backend(
     the q/k/v projection). ``fold_conds`` is :func:`cond_on_one_token`'s ``conds`` for every
     fold. ``down_norm_fusion`` (without ``fold_conds``) then fuses each down projection with the
     next layer's norm-fed projection (:func:`~paged_ops.engine.mlp_fusion.fuse_down_norms`;
-    ``on_down_norms_fused`` is told how many). ``on_graph(gm, example_inputs)`` sees each graph
+    ``on_down_norms_fused`` is told how many). Without ``fold_conds`` each MLP's norm-fed
+    gate/up projection then joins its down projection
+    (:func:`~paged_ops.engine.mlp_fusion.fuse_gated_mlps`; ``on_gated_mlps_fused`` is told how
+    many). ``on_graph(gm, example_inputs)`` sees each graph
     after the passes, before ``inner`` compiles it (the engine's graph prebuild,
     :mod:`paged_ops.engine.graph_prebuild`).
     While Inductor autotunes GEMMs (``max_autotune`` or
@@ -410,6 +414,12 @@ def compile_backend(
                 down_norms = fuse_down_norms(gm)
                 if on_down_norms_fused is not None:
                     on_down_norms_fused(down_norms)
+            if not fold_conds:
+                from paged_ops.engine.mlp_fusion import fuse_gated_mlps
+
+                gated = fuse_gated_mlps(gm)
+                if on_gated_mlps_fused is not None:
+                    on_gated_mlps_fused(gated)
             rerouted = route_small_linears(gm, max_out_features)
             if on_rerouted is not None:
                 on_rerouted(rerouted)

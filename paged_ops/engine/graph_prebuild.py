@@ -58,6 +58,7 @@ def graph_targets() -> set[Callable]:
     wrappers the graph passes insert and the ops they (or ``route_small_linears`` and the
     engine's greedy choice) call."""
     import paged_ops.argmax
+    import paged_ops.gated_mlp
     import paged_ops.linear
     import paged_ops.mlp_linear
     import paged_ops.mlp_norm_linear
@@ -74,6 +75,7 @@ def graph_targets() -> set[Callable]:
         ops.add_rms_norm_linear.default,
         ops.silu_mul_linear.default,
         ops.silu_mul_add_rms_norm_linear.default,
+        ops.add_rms_norm_gated_mlp.default,
         ops.greedy_argmax.default,
     }
 

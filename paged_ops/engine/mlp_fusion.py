@@ -242,3 +242,85 @@ def fuse_down_norms(gm: fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return fused
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _item(node: fx.Node, index: int) -> fx.Node | None:
+    """The ``getitem(node, index)`` reading ``node``'s output (the first, if several), or None."""
+    for user in node.users:
+        if user.target is operator.getitem and user.args[1] == index:
+            return user
+    return None
+
+
+def fuse_gated_mlps(gm: fx.GraphModule) -> int:
+    """Replace each ``norm_projections`` (without ``cond``) of one stacked gate/up weight whose
+    projection feeds only the MLP's down projection (``silu_mul_projection``, or the
+    ``down_norm_projections`` that :func:`fuse_down_norms` made of it, whose residual is that
+    norm's sum and read nowhere else) by one ``paged_ops::add_rms_norm_gated_mlp`` call
+    (:mod:`paged_ops.gated_mlp`: the gate/up GEMM and the SiLU-mul in one kernel where that
+    serves); returns the MLPs fused. Run after :func:`fuse_down_norms`, without ``fold_conds``."""
+    import paged_ops.gated_mlp  # noqa: F401  (registers the op)
+    from paged_ops.engine.norm_fusion import norm_projections
+
+    op = torch.ops.paged_ops.add_rms_norm_gated_mlp.default
+    graph = gm.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    fused = 0
+    for norm in list(graph.nodes):
+        if norm.op != "call_function" or norm.target is not norm_projections:
+            continue
+        if norm.kwargs != {"conds": False} or len(norm.args) != 5:
+            continue
+        gate_up, h = _item(norm, 0), _item(norm, 1)
+        if gate_up is None or len(norm.users) != 1 + (h is not None):
+            continue
+        mlp = _only_user(gate_up)
+        if mlp is None or mlp.op != "call_function":
+            continue
+        if (
+            mlp.target is silu_mul_projection
+            and mlp.kwargs == {"conds": False}
+            and mlp.args[0] is gate_up
+            and (h is None or all(order[u] > order[mlp] for u in h.users))  # the sum, read later
+        ):
+            args = (*norm.args, mlp.args[1])  # a, b, g, eps, W_gate_up, W_down
+        elif (
+            mlp.target is down_norm_projections
+            and h is not None
+            and mlp.args[0] is h
+            and mlp.args[1] is gate_up
+            and _only_user(h) is mlp
+        ):
+            _, _, down_weight, g, eps, weight = mlp.args
+            args = (*norm.args, down_weight, g, eps, weight)
+        else:
+            continue
+        with graph.inserting_before(mlp):
+            call = graph.call_function(op, args)
+            if mlp.target is silu_mul_projection:  # (down, h): the MLP's output, then the sum
+                down = graph.call_function(operator.getitem, (call, 0))
+                h_out = graph.call_function(operator.getitem, (call, 1))
+        if mlp.target is silu_mul_projection:
+            down.meta.update(mlp.meta)
+            mlp.replace_all_uses_with(down)
+            if h is not None:
+                h_out.meta.update(h.meta)
+                h.replace_all_uses_with(h_out)
+            else:
+                graph.erase_node(h_out)
+        else:  # (out, h2), as down_norm_projections returned
+            call.meta.update(mlp.meta)
+            mlp.replace_all_uses_with(call)
+        for node in (mlp, h, gate_up, norm):  # users before what they read
+            if node is not None and not node.users:
+                graph.erase_node(node)
+        fused += 1
+    if fused:
+        graph.lint()
+        gm.recompile()
+    return fused

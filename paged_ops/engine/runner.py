@@ -314,6 +314,7 @@ class ModelRunner:
         self.num_fused_mlps = 0  # SiLU-mul products computed inside paged_ops::silu_mul_linear
         self.num_fused_ropes = 0  # q/k rotations moved into the attention op or the projection
         self.num_fused_down_norms = 0  # down projections fused with the next norm (one op)
+        self.num_fused_gated_mlps = 0  # MLPs whose norm, gate/up and down are one op
         # the warm-up's first compile: steps whose kernel variants the graph prebuild predicts
         self._graph_prebuild_steps: list[tuple[int, int]] = []
         self._graph_prebuild: variant_prebuild.Prebuild | None = None
@@ -346,6 +347,7 @@ class ModelRunner:
                     fold_conds=fold_conds,
                     down_norm_fusion=down_norm_fusion,
                     on_down_norms_fused=_weak(self._count_down_norms),
+                    on_gated_mlps_fused=_weak(self._count_gated_mlps),
                     max_out_features=SMALL_LINEAR_MAX_OUT,
                     on_rerouted=_weak(self._count_rerouted),
                     on_norms_fused=_weak(self._count_norms),
@@ -509,6 +511,9 @@ class ModelRunner:
 
     def _count_down_norms(self, fused: int) -> None:
         self.num_fused_down_norms += fused
+
+    def _count_gated_mlps(self, fused: int) -> None:
+        self.num_fused_gated_mlps += fused
 
     def _prebuild_from_graph(self, gm: torch.fx.GraphModule, example_inputs: Sequence) -> None:
         """The compile backend's ``on_graph``: at the warm-up's first compile, start the child
