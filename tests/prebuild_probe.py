@@ -9,7 +9,8 @@ names an H100 (sm_90) and launches nothing.
 4. control: with another empty cache dir, a call does run the code generator.
 
 With the argument ``gemm``, the same for the split-K GEMM that ``small_linear`` runs for 64-256
-rows of a deep, narrow weight (``_call_linears``; the op's CUDA-only route is taken as given).
+rows of a deep, narrow weight (``_call_linears``; the op's CUDA-only route is taken as given);
+with ``gated``, for the gated GEMM of ``add_rms_norm_gated_mlp`` (``_call_gated``).
 
 Prints one JSON line: the counts the test checks.
 """
@@ -85,6 +86,9 @@ def main() -> None:
     if sys.argv[1:2] == ["gemm"]:
         print(json.dumps(gemm_flow(codegen_runs, norm_reduce=sys.argv[2:] == ["norm"])))
         return
+    if sys.argv[1:2] == ["gated"]:
+        print(json.dumps(gated_flow(codegen_runs)))
+        return
     layers = [LayerConfig(), LayerConfig(sliding_window=8)]  # two layer kinds
     pa = PagedAttention(
         num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, layers=layers, num_blocks=32,
@@ -137,6 +141,33 @@ def gemm_flow(codegen_runs: list[int], norm_reduce: bool = False) -> dict:
     triton_norm_linear_kernels.reduce_add_rms_norm_kernel.device_caches.clear()
     before = codegen_runs[0]
     variant_prebuild._call_linears(weights[:1], steps[1:2], norm_reduce)
+    out["codegen_control"] = codegen_runs[0] - before
+    return out
+
+
+def gated_flow(codegen_runs: list[int]) -> dict:
+    """Steps 1-4 for ``_call_gated`` on the 1B's stacked gate/up weight (16384 x 2048, float16)
+    at the token counts of a warm-up (the gated route's rows: 33 and more)."""
+
+    def gated_config(x, w):  # the op's route, CUDA-only otherwise, taken as given here
+        if x.shape[0] < linear.GATED_GEMM_MIN_ROWS:
+            return None
+        return triton_gemm_kernels.gated_gemm_config(x.shape[0], w.shape[0] // 2, w.shape[1], 132)
+
+    linear.gated_gemm_config = gated_config
+    weights = [torch.empty(16384, 2048, dtype=torch.float16)]
+    steps = [(1, 1), (16, 16), (32, 32), (64, 64), (65, 64), (256, 256), (4096, 64)]
+    with variant_prebuild.recording_variants() as records:
+        recorded_calls = variant_prebuild._call_gated(weights, steps)
+    out = dict(recorded_calls=recorded_calls, records=len(records),
+               kernels=sorted({r["name"] for r in records}), codegen_while_recording=codegen_runs[0])  # fmt: skip
+    out["built"] = variant_prebuild.spawn(records, variant_prebuild.current_target()).wait()
+    out["calls_after"] = variant_prebuild._call_gated(weights, steps)
+    out["codegen_after"] = codegen_runs[0] - out["codegen_while_recording"]
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="prebuild_probe_control_")
+    triton_gemm_kernels.gated_gemm_kernel.device_caches.clear()
+    before = codegen_runs[0]
+    variant_prebuild._call_gated(weights, steps[3:4])
     out["codegen_control"] = codegen_runs[0] - before
     return out
 

@@ -529,6 +529,9 @@ def test_mlp_fusion_of_the_gate_up_projection_keeps_the_engines_tokens(gated_rou
                       max_num_seqs=2, max_model_len=40, num_blocks=32, compile=True,
                       small_linears=True)  # fmt: skip
             assert llm.runner.num_fused_gated_mlps == (3 if fuse else 0)
+            cfg = llm.runner.model.config  # a GPU's variant prebuild: one stacked gate/up shape
+            gated_shapes = [tuple(w.shape) for w in llm.runner._gated_weights()]
+            assert gated_shapes == [(2 * cfg.intermediate_size, cfg.hidden_size)]
             assert llm.runner.num_fused_down_norms == 2  # the passes before it ran as they did
             got = llm.generate(prompts, params, use_tqdm=False)
             outs[fuse] = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in got]
@@ -562,4 +565,5 @@ def test_the_default_down_norm_fusion_yields_to_fold_conds(monkeypatch):
               max_model_len=40, num_blocks=32, compile=True, small_linears=True,
               fold_conds=True)  # fmt: skip
     assert not llm.runner._down_norm_fusion and llm.runner.num_fused_down_norms == 0
+    assert llm.runner.num_fused_gated_mlps == 0 and llm.runner._gated_weights() == []
     llm.close()

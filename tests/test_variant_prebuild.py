@@ -118,6 +118,24 @@ def test_the_child_compiles_the_split_k_gemm_variants_that_small_linear_then_fin
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_the_child_compiles_the_gated_gemm_variants_that_the_gated_mlp_then_finds():
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    probe = Path(__file__).with_name("prebuild_probe.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(probe), "gated"], capture_output=True, text=True,
+                         timeout=600, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    # 64, 65, 256 and 4096 rows; not 1, 16 or 32 (cuBLAS + the SiLU-mul kernel there)
+    assert got["recorded_calls"] == got["calls_after"] == 4
+    assert got["codegen_while_recording"] == 0
+    assert got["kernels"] == ["gated_gemm_kernel"]
+    assert got["built"] == got["records"] == 3  # the tiles of <= 64, <= 128 and more rows
+    assert got["codegen_after"] == 0  # every call found its variant in the child's cache
+    assert got["codegen_control"] >= 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_a_variant_the_child_cannot_build_is_reported_and_costs_nothing_else(caplog):
     target = {"backend": "cuda", "arch": 90, "warp_size": 32}
     bad = {"module": "paged_ops.backends.triton_kernels", "name": "no_such_kernel", "data": "{}"}

@@ -310,6 +310,7 @@ class ModelRunner:
         self._small_linears = bool(small_linears and compile)
         self._rope_in_attention = bool(rope_in_attention and self._small_linears)
         self._down_norm_fusion = bool(down_norm_fusion and self._small_linears and not fold_conds)
+        self._gated_mlps = self._small_linears and not fold_conds  # fuse_gated_mlps runs
         self.num_fused_norms = 0  # RMSNorms computed inside paged_ops::add_rms_norm_linear
         self.num_fused_mlps = 0  # SiLU-mul products computed inside paged_ops::silu_mul_linear
         self.num_fused_ropes = 0  # q/k rotations moved into the attention op or the projection
@@ -709,6 +710,19 @@ class ModelRunner:
                 distinct.setdefault((tuple(weight.shape), weight.stride(), weight.dtype), weight)
         return list(distinct.values())
 
+    def _gated_weights(self) -> list[torch.Tensor]:
+        """A stand-in ``[2I, K]`` weight per distinct stacked pair of equal projections (a gated
+        MLP's gate and up) when the gated-MLP pass runs, for the variant prebuild's gated GEMM
+        calls (a prediction: the pass decides from the graph; the variants depend on the rows,
+        dtype and alignment only, so a fresh tensor stands in for the stacked buffer)."""
+        if not self._gated_mlps:
+            return []
+        shapes = {(2 * g[0].out_features, g[0].in_features, g[0].weight.dtype)
+                  for g in self.fused_groups
+                  if len(g) == 2 and g[0].out_features == g[1].out_features}  # fmt: skip
+        return [torch.empty((rows, k), dtype=dtype, device=self.device)
+                for rows, k, dtype in sorted(shapes, key=str)]  # fmt: skip
+
     def _graph_steps(self) -> list[tuple[int, int]]:
         """``(T, S)`` of the steps the CUDA graphs capture: decode buckets, verify buckets
         (``k + 1`` tokens per sequence), then prefill graphs."""
@@ -832,6 +846,7 @@ class ModelRunner:
                 self.pa, shapes + self._graph_steps(), self._small_linear_weights(),
                 rope=self._rope_in_attention,  # (the RoPE pass matches Llama-like blocks)
                 norm_reduce=self._down_norm_fusion,  # (the pass matches Llama-like MLPs)
+                gated_weights=self._gated_weights(),
             )  # fmt: skip
             self._graph_prebuild_steps = shapes + self._graph_steps()  # (the compile's own)
         try:

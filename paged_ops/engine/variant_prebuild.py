@@ -200,6 +200,37 @@ def _call_linears(
     return calls
 
 
+def _call_gated(weights: Sequence[torch.Tensor], steps: Sequence[Step]) -> int:
+    """One gated GEMM call per (``[2I, K]`` gate/up weight, token count of ``steps``) that
+    ``paged_ops.add_rms_norm_gated_mlp`` sends to it (``linear.gated_gemm_config``: the rows,
+    the weight, the GPU), on an input of that many rows; returns how many calls were made. (The
+    graph prebuild meets these calls too, but only once the compile hands over its graph: made
+    here, their variants build from the warm-up's start.)"""
+    from paged_ops import linear
+    from paged_ops.triton_dispatch import kernel_module
+
+    counts = sorted({tokens for tokens, _ in steps if tokens >= linear.GATED_GEMM_MIN_ROWS})
+    calls = 0
+    with torch.inference_mode():
+        for weight in weights:
+            for tokens in counts:
+                x = torch.empty((tokens, weight.shape[1]), dtype=weight.dtype,
+                                device=weight.device)  # [T, K]  # fmt: skip
+                config = linear.gated_gemm_config(x, weight)
+                if config is None:
+                    continue
+                try:
+                    kernel_module("paged_ops.backends.triton_gemm_kernels").gated_gemm(
+                        x, weight, config
+                    )
+                except Exception as e:  # noqa: BLE001 - the step that meets it compiles it
+                    logger.debug("variant prebuild: the gated GEMM call for %s at %d rows "
+                                 "failed: %r", tuple(weight.shape), tokens, e)  # fmt: skip
+                    continue
+                calls += 1
+    return calls
+
+
 def _call_norm_reduce(partials: torch.Tensor, dtype: torch.dtype) -> None:
     """``reduce_add_rms_norm`` on ``partials`` (``[SPLIT_K, T, N]`` float32) with a ``[T, N]``
     residual and an ``[N]`` norm weight of ``dtype`` (the model's; the next layer's RMSNorm)."""
@@ -305,6 +336,7 @@ def start(
     linear_weights: Sequence[torch.Tensor] = (),
     rope: bool = False,
     norm_reduce: bool = False,
+    gated_weights: Sequence[torch.Tensor] = (),
 ) -> Prebuild | None:
     """Record the variants of ``steps`` (the warm-up's, with its graph buckets) and start the
     child that compiles them; None when there is nothing to do (no triton layer and no split-K
@@ -313,16 +345,19 @@ def start(
     ``rope``: whether the decode kernels will rotate q and k (a prediction made before the
     compile that decides it: a wrong one costs the warm-up those variants' compiles, nothing
     else); ``norm_reduce``: whether the down projections' partials will be summed by the next
-    norm's kernel (``LLM(down_norm_fusion)``, on by default; the same kind of prediction)."""
+    norm's kernel (``LLM(down_norm_fusion)``, on by default; the same kind of prediction);
+    ``gated_weights``: ``[2I, K]`` gate/up weights (or stand-ins) whose MLPs the gated GEMM will
+    serve (:func:`_call_gated`)."""
     if pa.kv_cache.device.type != "cuda" or not enabled():
         return None
     work = _steps_per_variant(pa, steps)
-    if not work and not linear_weights:
+    if not work and not linear_weights and not gated_weights:
         return None
     try:
         with recording_variants() as records:
             _call_each(pa, work, rope)
             _call_linears(linear_weights, steps, norm_reduce)
+            _call_gated(gated_weights, steps)
         if not records:
             return None
         return spawn(records, current_target())
