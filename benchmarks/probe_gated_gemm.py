@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_mid_linear import ROTATE_BYTES, time_candidates  # noqa: E402
+from bench_mid_linear import ROTATE_BYTES, time_calls, time_candidates  # noqa: E402
 
 
 def configs() -> list[tuple]:
@@ -50,6 +51,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048, help="K: the model's hidden size")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=6)
+    parser.add_argument("--gemm-alone", action="store_true",
+                        help="also time cuBLAS's gate/up GEMM without the SiLU-mul kernel")  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from paged_ops.backends.triton_gemm_kernels import GemmConfig, gated_gemm
@@ -77,6 +80,12 @@ def main() -> None:
         rows += time_candidates("gate_up_silu", x, weights, ref, candidates, args.rounds,
                                 top=args.top, skip_errors=True,
                                 note=lambda: f"  [{time.perf_counter() - t0:.0f} s]")  # fmt: skip
+        if args.gemm_alone:  # the pair's first half: what the SiLU-mul kernel adds to it
+            times = [time_calls(F.linear, weights, x, 64) for _ in range(args.rounds)]
+            us = statistics.median(times)
+            rows.append(dict(shape="gate_up_gemm_alone", m=m, n=2 * width, k=k, config="cublas",
+                             us=us, rounds=times))  # fmt: skip
+            print(f"gate_up_gemm_alone M={m:4d} cublas {us:8.2f} us", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
