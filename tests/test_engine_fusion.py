@@ -567,3 +567,51 @@ def test_the_default_down_norm_fusion_yields_to_fold_conds(monkeypatch):
     assert not llm.runner._down_norm_fusion and llm.runner.num_fused_down_norms == 0
     assert llm.runner.num_fused_gated_mlps == 0 and llm.runner._gated_weights() == []
     llm.close()
+
+
+def _gated_mlp_graph(extra_reader: str | None) -> torch.fx.GraphModule:
+    """``norm_projections`` of a stacked gate/up weight, then ``silu_mul_projection`` and the
+    residual add, as the folds leave a Llama MLP (``fold_conds=False``); ``extra_reader``:
+    ``"gate_up"`` reads the projection once more, ``"h_first"`` reads the norm's sum before the
+    MLP."""
+    import operator
+
+    from paged_ops.engine.mlp_fusion import silu_mul_projection
+    from paged_ops.engine.norm_fusion import norm_projections
+
+    graph = torch.fx.Graph()
+    a, b, g, w_gu, w_down = (graph.placeholder(n) for n in ("a", "b", "g", "w_gu", "w_down"))
+    call = graph.call_function(norm_projections, (a, b, g, 1e-6, w_gu), {"conds": False})
+    gate_up = graph.call_function(operator.getitem, (call, 0))
+    h = graph.call_function(operator.getitem, (call, 1))
+    early = graph.call_function(torch.neg, (h,)) if extra_reader == "h_first" else None
+    down = graph.call_function(silu_mul_projection, (gate_up, w_down), {"conds": False})
+    out = graph.call_function(operator.add, (down, h))
+    outs = [out]
+    if extra_reader == "gate_up":
+        outs.append(graph.call_function(torch.sum, (gate_up,)))
+    if early is not None:
+        outs.append(early)
+    graph.output(tuple(outs))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("extra_reader", [None, "gate_up", "h_first"])
+def test_mlp_fusion_pass_fuses_a_gated_mlp_only_where_its_values_stay(extra_reader):
+    # the gated-MLP pass replaces the norm's projection and the down projection by one op only
+    # where nothing else reads the gate/up product and the norm's sum is read after the MLP;
+    # the fused graph computes what the unfused one did
+    from paged_ops.engine.mlp_fusion import fuse_gated_mlps
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 5, 32, generator=gen), torch.randn(1, 5, 32, generator=gen),
+              1 + 0.1 * torch.randn(32, generator=gen), torch.randn(96, 32, generator=gen) / 6,
+              torch.randn(32, 48, generator=gen) / 7]  # fmt: skip
+    gm = _gated_mlp_graph(extra_reader)
+    want = gm(*inputs)
+    fused = fuse_gated_mlps(gm)
+    assert fused == (1 if extra_reader is None else 0)
+    op = torch.ops.paged_ops.add_rms_norm_gated_mlp.default
+    assert sum(n.target is op for n in gm.graph.nodes) == fused
+    for got, ref in zip(gm(*inputs), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

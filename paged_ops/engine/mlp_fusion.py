@@ -286,7 +286,7 @@ def fuse_gated_mlps(gm: fx.GraphModule) -> int:
             mlp.target is silu_mul_projection
             and mlp.kwargs == {"conds": False}
             and mlp.args[0] is gate_up
-            and (h is None or all(order[u] > order[mlp] for u in h.users))  # the sum, read later
+            and (h is None or all(order.get(u, -1) > order[mlp] for u in h.users))  # read later
         ):
             args = (*norm.args, mlp.args[1])  # a, b, g, eps, W_gate_up, W_down
         elif (
