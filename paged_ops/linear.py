@@ -133,8 +133,9 @@ def gated_gemm_applies(m: int, k: int, dtype: torch.dtype, capability: tuple[int
     TMA GEMM (:func:`~paged_ops.backends.triton_gemm_kernels.gated_gemm`) serves faster than
     cuBLAS's gate/up GEMM and the SiLU-mul kernel after it: a Hopper GPU (``capability`` 9.x),
     float16/bfloat16, at least ``GATED_GEMM_MIN_ROWS`` rows. Measured on an H200 at the 1B's
-    16384 x 2048 gate/up weight (benchmarks/NOTES.md section 43): 19.4 / 21.3 / 28.5 / 450.6 us
-    against 21.7 / 24.0 / 31.0 / 478.9 at 64 / 128 / 256 / 4,096 rows, a tie at 32."""
+    16384 x 2048 gate/up weight (benchmarks/NOTES.md section 43): standalone 19.4 / 21.3 / 28.5 /
+    450.6 us against 21.7 / 24.0 / 31.0 / 478.9 at 64 / 128 / 256 / 4,096 rows, a tie at 32;
+    inside the model's graphs 27.3 vs 27.75 us at 256 rows and 16-24 us less at 4,096."""
     return (
         capability[0] == 9 and dtype in (torch.float16, torch.bfloat16) and m >= GATED_GEMM_MIN_ROWS
     )
