@@ -58,7 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -175,29 +175,16 @@ def _call_linears(
     from paged_ops import linear
     from paged_ops.triton_dispatch import kernel_module
 
+    def launch(x: torch.Tensor, weight: torch.Tensor, config: Any) -> None:
+        gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
+        gemm.split_k_gemm(x, weight, config=config)
+        if norm_reduce:
+            _call_norm_reduce(gemm.split_k_gemm(x, weight, config=config, reduce=False), x.dtype)
+
     lo, hi = linear.SPLIT_K_GEMM_ROWS
     counts = sorted({tokens for tokens, _ in steps if lo <= tokens <= hi})
-    calls = 0
-    with torch.inference_mode():
-        for weight in weights:
-            for tokens in counts:
-                x = torch.empty((tokens, weight.shape[1]), dtype=weight.dtype,
-                                device=weight.device)  # [T, K]  # fmt: skip
-                config = linear._split_k_gemm_config(x, weight)
-                if config is None:
-                    continue
-                try:
-                    gemm = kernel_module("paged_ops.backends.triton_gemm_kernels")
-                    gemm.split_k_gemm(x, weight, config=config)
-                    if norm_reduce:
-                        partials = gemm.split_k_gemm(x, weight, config=config, reduce=False)
-                        _call_norm_reduce(partials, weight.dtype)
-                except Exception as e:  # noqa: BLE001 - the step that meets it compiles it
-                    logger.debug("variant prebuild: the GEMM call for %s at %d rows failed: %r",
-                                 tuple(weight.shape), tokens, e)  # fmt: skip
-                    continue
-                calls += 1
-    return calls
+    return _call_at_rows(weights, counts, lambda x, w: linear._split_k_gemm_config(x, w), launch,
+                         "GEMM")  # fmt: skip
 
 
 def _call_gated(weights: Sequence[torch.Tensor], steps: Sequence[Step]) -> int:
@@ -209,23 +196,38 @@ def _call_gated(weights: Sequence[torch.Tensor], steps: Sequence[Step]) -> int:
     from paged_ops import linear
     from paged_ops.triton_dispatch import kernel_module
 
+    def launch(x: torch.Tensor, weight: torch.Tensor, config: Any) -> None:
+        kernel_module("paged_ops.backends.triton_gemm_kernels").gated_gemm(x, weight, config)
+
     counts = sorted({tokens for tokens, _ in steps if tokens >= linear.GATED_GEMM_MIN_ROWS})
+    return _call_at_rows(weights, counts, lambda x, w: linear.gated_gemm_config(x, w), launch,
+                         "gated GEMM")  # fmt: skip
+
+
+def _call_at_rows(
+    weights: Sequence[torch.Tensor],
+    counts: Sequence[int],
+    config_of: Callable[[torch.Tensor, torch.Tensor], Any],
+    launch: Callable[[torch.Tensor, torch.Tensor, Any], None],
+    what: str,
+) -> int:
+    """``launch(x, weight, config)`` for each weight and row count whose ``config_of(x, weight)``
+    (the op's route) is not None, ``x`` a fresh ``[T, K]`` input of the weight's dtype; returns
+    the calls made. A call that fails is logged and left to the step that meets it."""
     calls = 0
     with torch.inference_mode():
         for weight in weights:
             for tokens in counts:
                 x = torch.empty((tokens, weight.shape[1]), dtype=weight.dtype,
                                 device=weight.device)  # [T, K]  # fmt: skip
-                config = linear.gated_gemm_config(x, weight)
+                config = config_of(x, weight)
                 if config is None:
                     continue
                 try:
-                    kernel_module("paged_ops.backends.triton_gemm_kernels").gated_gemm(
-                        x, weight, config
-                    )
+                    launch(x, weight, config)
                 except Exception as e:  # noqa: BLE001 - the step that meets it compiles it
-                    logger.debug("variant prebuild: the gated GEMM call for %s at %d rows "
-                                 "failed: %r", tuple(weight.shape), tokens, e)  # fmt: skip
+                    logger.debug("variant prebuild: the %s call for %s at %d rows failed: %r",
+                                 what, tuple(weight.shape), tokens, e)  # fmt: skip
                     continue
                 calls += 1
     return calls
