@@ -128,8 +128,8 @@ def _split_k_gemm_config(x2d: torch.Tensor, weight: torch.Tensor):  # -> GemmCon
     return config if config.split_k > 1 else None
 
 
-def gated_gemm_applies(m: int, k: int, dtype: torch.dtype, capability: tuple[int, int]) -> bool:
-    """Whether a gated MLP's ``silu(x @ Wg^T) * (x @ Wu^T)`` for ``x[m, k]`` is one the gated
+def gated_gemm_applies(m: int, dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+    """Whether a gated MLP's ``silu(x @ Wg^T) * (x @ Wu^T)`` for ``m`` rows of ``x`` is one the gated
     TMA GEMM (:func:`~paged_ops.backends.triton_gemm_kernels.gated_gemm`) serves faster than
     cuBLAS's gate/up GEMM and the SiLU-mul kernel after it: a Hopper GPU (``capability`` 9.x),
     float16/bfloat16, at least ``GATED_GEMM_MIN_ROWS`` rows. Measured on an H200 at the 1B's
@@ -150,7 +150,7 @@ def gated_gemm_config(x2d: torch.Tensor, weight: torch.Tensor):  # -> GemmConfig
     m, k = x2d.shape
     index = x2d.device.index if x2d.device.index is not None else torch.cuda.current_device()
     if not (
-        gated_gemm_applies(m, k, x2d.dtype, _capability(index))
+        gated_gemm_applies(m, x2d.dtype, _capability(index))
         and weight.shape[0] % 2 == 0
         and (k * x2d.element_size()) % 16 == 0
         and _tma_ready(weight)

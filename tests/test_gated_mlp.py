@@ -124,7 +124,7 @@ def test_small_linear_gated_gemm_kernel_against_float64(m, width, k, dtype):
     ],
 )
 def test_small_linear_gated_gemm_rule(m, dtype, capability, applies):
-    assert linear.gated_gemm_applies(m, 2048, dtype, capability) is applies
+    assert linear.gated_gemm_applies(m, dtype, capability) is applies
 
 
 def test_small_linear_gated_gemm_config_is_none_on_cpu_and_when_switched_off(monkeypatch):
