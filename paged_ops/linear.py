@@ -129,8 +129,8 @@ def _split_k_gemm_config(x2d: torch.Tensor, weight: torch.Tensor):  # -> GemmCon
 
 
 def gated_gemm_applies(m: int, dtype: torch.dtype, capability: tuple[int, int]) -> bool:
-    """Whether a gated MLP's ``silu(x @ Wg^T) * (x @ Wu^T)`` for ``m`` rows of ``x`` is one the gated
-    TMA GEMM (:func:`~paged_ops.backends.triton_gemm_kernels.gated_gemm`) serves faster than
+    """Whether a gated MLP's ``silu(x @ Wg^T) * (x @ Wu^T)`` for ``m`` rows of ``x`` is one the
+    gated TMA GEMM (:func:`~paged_ops.backends.triton_gemm_kernels.gated_gemm`) serves faster than
     cuBLAS's gate/up GEMM and the SiLU-mul kernel after it: a Hopper GPU (``capability`` 9.x),
     float16/bfloat16, at least ``GATED_GEMM_MIN_ROWS`` rows. Measured on an H200 at the 1B's
     16384 x 2048 gate/up weight (benchmarks/NOTES.md section 43): standalone 19.4 / 21.3 / 28.5 /
