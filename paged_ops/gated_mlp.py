@@ -16,9 +16,9 @@ one place: in a CUDA graph step of at least ``GATED_GEMM_MIN_ROWS`` rows on Hopp
 Triton kernel (:func:`~paged_ops.backends.triton_gemm_kernels.gated_gemm`) that keeps both
 halves' tiles in registers and stores only the product: no ``[M, 2I]`` round trip, one launch
 fewer (H200, inside the model's graphs: 27.3 vs 27.75 us per layer at 256 rows, a decode graph
-1.8% shorter; 16-24 us less per layer at 4,096 rows; benchmarks/NOTES.md section 43). Its halves are rounded to the dtype before the SiLU-mul, as the
-stored gate/up output is, so the results differ from the other route only by the GEMM's
-accumulation order.
+1.8% shorter; 16-24 us less per layer at 4,096 rows; benchmarks/NOTES.md section 43). Its halves
+are rounded to the dtype before the SiLU-mul, as the stored gate/up output is, so the results
+differ from the other route only by the GEMM's accumulation order.
 
 The engine's graph pass (:func:`paged_ops.engine.mlp_fusion.fuse_gated_mlps`, with
 ``LLM(small_linears=...)`` and without ``fold_conds``) puts it where a ``norm_projections`` of

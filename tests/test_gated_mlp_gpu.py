@@ -49,7 +49,8 @@ def operands(m: int, seed: int = 0) -> list:
 
 
 def float64_mlp(args: list) -> torch.Tensor:
-    """The MLP's output in float64 from the bf16 operands (the norm's row rounded as the model's)."""
+    """The MLP's output in float64 from the bf16 operands (the norm's row rounded as the
+    model's)."""
     x, residual, g, eps, w_gu, w_down = args[:6]
     h = (x + residual).double()
     y = g.double() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -194,8 +194,8 @@ def gated_gemm_kernel(
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < I)  # gate columns past I read up rows: not stored
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * I + rn[None, :], (g * tl.sigmoid(g) * u).to(dtype),
-             mask=mask)  # fmt: skip
+    product = (g * tl.sigmoid(g) * u).to(dtype)  # [BLOCK_M, BLOCK_N]
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * I + rn[None, :], product, mask=mask)
 
 
 def gated_gemm_config(m: int, width: int, k: int, num_sms: int) -> GemmConfig:
