@@ -193,6 +193,19 @@ def down_norm_projections(
     )
 
 
+def _one_weight_norm(node: fx.Node) -> bool:
+    """A ``norm_projections`` call without ``cond`` and with one weight: what
+    :func:`fuse_down_norms` and :func:`fuse_gated_mlps` fuse further."""
+    from paged_ops.engine.norm_fusion import norm_projections
+
+    return (
+        node.op == "call_function"
+        and node.target is norm_projections
+        and node.kwargs == {"conds": False}
+        and len(node.args) == 5
+    )
+
+
 def _lone_down(node: Any) -> bool:
     """A ``silu_mul_projection`` without ``cond`` read by one node."""
     return (
@@ -212,14 +225,11 @@ def fuse_down_norms(gm: fx.GraphModule) -> int:
     down projection (read by the final norm) and a norm whose projections were not stacked
     stay."""
     import paged_ops.mlp_norm_linear  # noqa: F401  (registers the op)
-    from paged_ops.engine.norm_fusion import norm_projections
 
     graph = gm.graph
     fused = 0
     for norm in list(graph.nodes):
-        if norm.op != "call_function" or norm.target is not norm_projections:
-            continue
-        if norm.kwargs != {"conds": False} or len(norm.args) != 5:
+        if not _one_weight_norm(norm):
             continue
         a, b, g, eps, weight = norm.args
         if _lone_down(b):
@@ -265,16 +275,13 @@ def fuse_gated_mlps(gm: fx.GraphModule) -> int:
     (:mod:`paged_ops.gated_mlp`: the gate/up GEMM and the SiLU-mul in one kernel where that
     serves); returns the MLPs fused. Run after :func:`fuse_down_norms`, without ``fold_conds``."""
     import paged_ops.gated_mlp  # noqa: F401  (registers the op)
-    from paged_ops.engine.norm_fusion import norm_projections
 
     op = torch.ops.paged_ops.add_rms_norm_gated_mlp.default
     graph = gm.graph
     order = {node: i for i, node in enumerate(graph.nodes)}
     fused = 0
     for norm in list(graph.nodes):
-        if norm.op != "call_function" or norm.target is not norm_projections:
-            continue
-        if norm.kwargs != {"conds": False} or len(norm.args) != 5:
+        if not _one_weight_norm(norm):
             continue
         gate_up, h = _item(norm, 0), _item(norm, 1)
         if gate_up is None or len(norm.users) != 1 + (h is not None):
