@@ -8,12 +8,11 @@ Run with ``python -m pytest -q -m gpu tests/test_gated_mlp_gpu.py`` on a CUDA ma
 """
 
 import copy
-import gc
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_mlp_norm_linear_gpu import wide_llama
+from test_mlp_norm_linear_gpu import generate_and_free, wide_llama
 
 from paged_ops import LLM, SamplingParams, linear
 from paged_ops.backends import triton_gemm_kernels as gemm
@@ -111,23 +110,15 @@ def test_the_engine_with_the_gated_route_against_it_switched_off(monkeypatch):
     # nearly every prompt
     launches = count_launches(monkeypatch)
     ref = wide_llama()
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 512, (int(n),), generator=g).tolist()
-               for n in torch.randint(4, 40, (80,), generator=g)]  # fmt: skip
     params = SamplingParams(max_new_tokens=2, logprobs=1)
     outs = {}
     for on in (False, True):
         monkeypatch.setenv("PAGED_OPS_GATED_GEMM", "1" if on else "0")
-        torch._dynamo.reset()
-        llm = LLM(copy.deepcopy(ref), backend="triton", max_num_seqs=96, max_model_len=128,
-                  gpu_memory_utilization=0.5)  # fmt: skip
-        assert llm.runner.num_fused_gated_mlps == 3
-        outs[on] = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
-                    for o in llm.generate(prompts, params, use_tqdm=False)]  # fmt: skip
-        llm.close()  # give the KV cache back before the next LLM sizes its own from free memory
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+
+        def check(llm: LLM) -> None:
+            assert llm.runner.num_fused_gated_mlps == 3
+
+        outs[on] = generate_and_free(copy.deepcopy(ref), params, check)
         assert bool(launches) == on  # the graphs of 33+ rows took the gated GEMM
     same = [a[0] == b[0] for a, b in zip(outs[True], outs[False], strict=True)]
     assert sum(same) >= 72, sum(same)

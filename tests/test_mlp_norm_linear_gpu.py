@@ -9,6 +9,7 @@ Run with ``python -m pytest -q -m gpu tests/test_mlp_norm_linear_gpu.py`` on a C
 
 import copy
 import gc
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -75,24 +76,45 @@ def wide_llama() -> torch.nn.Module:
         return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
+def wide_llama_prompts() -> list[list[int]]:
+    """80 prompts of 4-39 tokens: one prompt step, then decode graphs of 64-96 sequences."""
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(1, 512, (int(n),), generator=g).tolist()
+            for n in torch.randint(4, 40, (80,), generator=g)]  # fmt: skip
+
+
+def generate_and_free(
+    model: torch.nn.Module,
+    params: SamplingParams,
+    check: Callable[[LLM], None],
+    **llm_kwargs: object,
+) -> list[tuple[list[int], list[float]]]:
+    """``(token_ids, logprobs)`` of :func:`wide_llama_prompts` from an LLM of ``model`` (for
+    96 sequences; ``check(llm)`` before generating), freed before returning: the next LLM sizes
+    its KV cache from free memory."""
+    torch._dynamo.reset()
+    llm = LLM(model, backend="triton", max_num_seqs=96, max_model_len=128,
+              gpu_memory_utilization=0.5, **llm_kwargs)  # fmt: skip
+    check(llm)
+    outs = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+            for o in llm.generate(wide_llama_prompts(), params, use_tqdm=False)]  # fmt: skip
+    llm.close()  # give the KV cache back before the next LLM sizes its own from free memory
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return outs
+
+
 def test_the_engine_with_down_norm_fusion_gives_the_same_tokens_and_logprobs(monkeypatch):
     calls = count_fused_reduces(monkeypatch)
     ref = wide_llama()
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 512, (int(n),), generator=g).tolist()
-               for n in torch.randint(4, 40, (80,), generator=g)]  # fmt: skip
     params = SamplingParams(max_new_tokens=8, logprobs=1)
     outs = {}
     for fuse in (False, True):
-        torch._dynamo.reset()
-        llm = LLM(copy.deepcopy(ref), backend="triton", max_num_seqs=96, max_model_len=128,
-                  gpu_memory_utilization=0.5, down_norm_fusion=fuse)  # fmt: skip
-        assert llm.runner.num_fused_down_norms == (2 if fuse else 0)
-        outs[fuse] = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
-                      for o in llm.generate(prompts, params, use_tqdm=False)]  # fmt: skip
-        llm.close()  # give the KV cache back before the next LLM sizes its own from free memory
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+
+        def check(llm: LLM, fuse: bool = fuse) -> None:
+            assert llm.runner.num_fused_down_norms == (2 if fuse else 0)
+
+        outs[fuse] = generate_and_free(copy.deepcopy(ref), params, check, down_norm_fusion=fuse)
         assert bool(calls) == fuse  # the 64-96-sequence graphs were captured with the kernel
     assert outs[True] == outs[False]
