@@ -530,8 +530,10 @@ def test_mlp_fusion_of_the_gate_up_projection_keeps_the_engines_tokens(gated_rou
                       small_linears=True)  # fmt: skip
             assert llm.runner.num_fused_gated_mlps == (3 if fuse else 0)
             cfg = llm.runner.model.config  # a GPU's variant prebuild: one stacked gate/up shape
-            gated_shapes = [tuple(w.shape) for w in llm.runner._gated_weights()]
-            assert gated_shapes == [(2 * cfg.intermediate_size, cfg.hidden_size)]
+            gated = llm.runner._gated_weights()
+            assert [tuple(w.shape) for w in gated] == [(2 * cfg.intermediate_size, cfg.hidden_size)]
+            owned = {p.data_ptr() for p in llm.runner.model.parameters()}
+            assert gated[0].data_ptr() in owned  # a view of the stacked weight, not a copy
             assert llm.runner.num_fused_down_norms == 2  # the passes before it ran as they did
             got = llm.generate(prompts, params, use_tqdm=False)
             outs[fuse] = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in got]

@@ -711,17 +711,21 @@ class ModelRunner:
         return list(distinct.values())
 
     def _gated_weights(self) -> list[torch.Tensor]:
-        """A stand-in ``[2I, K]`` weight per distinct stacked pair of equal projections (a gated
-        MLP's gate and up) when the gated-MLP pass runs, for the variant prebuild's gated GEMM
-        calls (a prediction: the pass decides from the graph; the variants depend on the rows,
-        dtype and alignment only, so a fresh tensor stands in for the stacked buffer)."""
+        """The ``[2I, K]`` view of each stacked pair of equal projections (a gated MLP's gate and
+        up), one per distinct shape and dtype, when the gated-MLP pass runs: the variant
+        prebuild's gated GEMM calls (a prediction: the pass decides from the graph). A view of
+        the stacked buffer, as the graph's own, so nothing is allocated for it."""
         if not self._gated_mlps:
             return []
-        shapes = {(2 * g[0].out_features, g[0].in_features, g[0].weight.dtype)
-                  for g in self.fused_groups
-                  if len(g) == 2 and g[0].out_features == g[1].out_features}  # fmt: skip
-        return [torch.empty((rows, k), dtype=dtype, device=self.device)
-                for rows, k, dtype in sorted(shapes, key=str)]  # fmt: skip
+        distinct: dict[tuple, torch.Tensor] = {}
+        for group in self.fused_groups:
+            gate, up = group if len(group) == 2 else (None, None)
+            if gate is None or gate.out_features != up.out_features:
+                continue
+            w = gate.weight  # [I, K], the first rows of the stacked [2I, K] buffer
+            stacked = torch.as_strided(w, (2 * w.shape[0], w.shape[1]), w.stride())  # [2I, K]
+            distinct.setdefault((tuple(stacked.shape), stacked.dtype), stacked)
+        return list(distinct.values())
 
     def _graph_steps(self) -> list[tuple[int, int]]:
         """``(T, S)`` of the steps the CUDA graphs capture: decode buckets, verify buckets
