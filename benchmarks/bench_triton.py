@@ -102,12 +102,12 @@ def alternating_times(fns: list, calls: int, rounds: int) -> list[list[float]]:
     return times
 
 
-def default_config(args) -> tb.LaunchConfig:
+def default_config(args, plain_causal: bool = False) -> tb.LaunchConfig:
     query, cache, _, lens, table = args
     return tb.launch_config(
         num_tokens=query.shape[0], num_seqs=lens.shape[0], num_q_heads=HQ, num_kv_heads=HKV,
         head_dim=D, max_kv_len=table.shape[1] * BLOCK, num_sms=tb._num_sms(query.device),
-        fp8_cache=cache.element_size() == 1,
+        fp8_cache=cache.element_size() == 1, plain_causal=plain_causal,
     )  # fmt: skip
 
 
@@ -149,19 +149,23 @@ def decode_write(args) -> dict:
 
 
 def compare_rows(
-    calls: int, shapes, specs: list[str], rounds: int, write_kv: bool = False
-) -> list[dict]:
+    calls: int, shapes, specs: list[str], rounds: int, write_kv: bool = False,
+    prefill: bool = False,
+) -> list[dict]:  # fmt: skip
     """Alternating A/B of launch overrides on the default decode launch: per shape, ``rounds``
     rounds that time every spec of ``specs`` (``"field=value,..."``; ``""`` is the default) back
     to back, the order reversed every other round; one row per spec with the median time, every
     round's time, and the largest output difference from the first spec's (0 for a change that
     must not alter results). ``write_kv``: each call also writes the step's K/V (the engine's
-    decode steps, ``decode_write``)."""
+    decode steps, ``decode_write``). ``prefill``: the shapes are (prompts, prompt length) of
+    causal prompts on the default plain-causal launch (the prefill kernel), with their FLOP/s."""
     rows = []
     for batch, ctx in shapes:
-        args = make_step([1] * batch, [ctx] * batch)
+        q_len = ctx if prefill else 1
+        args = make_step([q_len] * batch, [ctx] * batch)
         kv_bytes = batch * ctx * 2 * HKV * D * KV_DTYPE.itemsize
-        default = default_config(args)
+        flops = 4 * HQ * D * batch * ctx * (ctx + 1) / 2 if prefill else 0
+        default = default_config(args, plain_causal=prefill)
         cfgs = [
             dataclasses.replace(default, **(tb.parse_launch_overrides(sp) if sp else {}))
             for sp in specs
@@ -174,8 +178,9 @@ def compare_rows(
         for sp, t, diff in zip(specs, times, diffs, strict=True):
             us = statistics.median(t)
             rows.append(
-                dict(kind="compare", batch=batch, context=ctx, spec=sp or "default",
-                     us=us, rounds_us=t, tb_per_s=kv_bytes / us / 1e6, max_abs_diff=diff)
+                dict(kind="compare_prefill" if prefill else "compare", batch=batch, context=ctx,
+                     spec=sp or "default", us=us, rounds_us=t, tb_per_s=kv_bytes / us / 1e6,
+                     tflop_per_s=flops / us / 1e6, max_abs_diff=diff)
             )  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -356,6 +361,9 @@ def main() -> None:
                         "overrides on the decode shapes ('' = the default launch), e.g. "
                         "'' num_stages=3 tile_n=64")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="rounds of --compare")
+    parser.add_argument("--compare-prefill", default=None, metavar="SHAPES",
+                        help="--compare on causal prompts instead of the decode shapes: "
+                        "prompts x length list, e.g. 4x2048,1x8192")  # fmt: skip
     parser.add_argument("--write-kv", action="store_true", help="--compare: every call also "
                         "writes the decode step's K/V (the engine's decode steps)")  # fmt: skip
     parser.add_argument("--write-kv-ab", action="store_true", help="instead of the tables: "
@@ -374,12 +382,16 @@ def main() -> None:
         if a.write_kv_ab:
             rows = write_kv_ab_rows(a.calls, shapes, a.rounds)
         else:
-            rows = compare_rows(a.calls, shapes, a.compare, a.rounds, a.write_kv)
+            prefill = a.compare_prefill is not None
+            if prefill:
+                shapes = [tuple(int(x) for x in s.split("x")) for s in a.compare_prefill.split(",")]
+            rows = compare_rows(a.calls, shapes, a.compare, a.rounds, a.write_kv, prefill)
             print(f"{'batch':>6} {'ctx':>6} {'spec':28} {'median us':>10} {'TB/s':>6} "
-                  f"{'max diff':>9}")  # fmt: skip
+                  f"{'TFLOP/s':>8} {'max diff':>9}")  # fmt: skip
             for r in rows:
                 print(f"{r['batch']:>6} {r['context']:>6} {r['spec']:28} {r['us']:>10.1f} "
-                      f"{r['tb_per_s']:>6.2f} {r['max_abs_diff']:>9.2e}")  # fmt: skip
+                      f"{r['tb_per_s']:>6.2f} {r['tflop_per_s']:>8.0f} "
+                      f"{r['max_abs_diff']:>9.2e}")  # fmt: skip
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(dict(device=device, torch=torch.__version__, head_dim=D,

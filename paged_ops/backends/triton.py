@@ -135,8 +135,11 @@ class LaunchConfig:
     maxnreg: int | None = None  # register cap per thread (more programs per SM; unified kernel)
     kv_heads: int = 1  # KV heads per program (unified kernel): 2 pairs D=64 heads (FP8 decode)
     # 1: grid (KV heads, query blocks, segments): a block's head programs run together and read
-    # the same KV pages (unified kernel; decode steps by default)
+    # the same KV pages (decode steps by default; the prefill kernel too)
     heads_fastest: int = 0
+    # 1: query blocks launch last first, a sequence's blocks with the most keys first (prefill
+    # kernel: the grid's last wave is then of short causal blocks)
+    reverse_blocks: int = 0
     # 1: V of an FP8 cache read as int16 pairs of values (unified kernel, 16-bit queries, head
     # size a power of two, unit-stride cache rows): 16-bit transposing loads instead of 8-bit
     # reads a byte at a time (kernels._fp8_pairs_to_float16)
@@ -468,7 +471,9 @@ def paged_attention(
             )
         if cfg.num_segments != 1:
             raise ValueError(f"{cfg} (kernel='prefill') takes one segment")
-        grid = (num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads)
+        blocks = num_tokens // cfg.block_q + num_seqs + 1
+        heads_fastest = bool(cfg.heads_fastest) and blocks <= 65535  # (a grid's y limit)
+        grid = (num_kv_heads, blocks) if heads_fastest else (blocks, num_kv_heads)
         launcher(kernels.prefill_attention_kernel)[grid](
             out,
             query,
@@ -494,6 +499,8 @@ def paged_attention(
             HEAD_DIM=head_dim,
             IEEE_DOT=query.dtype == torch.float32,
             **fp8_args,
+            HEADS_FASTEST=heads_fastest,
+            REVERSE_BLOCKS=bool(cfg.reverse_blocks),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

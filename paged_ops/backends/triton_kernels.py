@@ -743,6 +743,8 @@ def prefill_attention_kernel(
     FP8_BIAS: tl.constexpr = 7,
     FP8_SUB_ULP: tl.constexpr = 2.0**-9,
     F16_DOT: tl.constexpr = False,
+    HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, query blocks)
+    REVERSE_BLOCKS: tl.constexpr = False,  # query blocks launch last first
 ):
     """Plain causal attention for prefill and mixed steps (no window, softcap, sinks, ALiBi).
 
@@ -750,9 +752,21 @@ def prefill_attention_kernel(
     row of the block sees whole (at or before the first row's position) skip the causal mask; only
     the last ones (the diagonal, the end of the KV) apply it. V is loaded after the softmax. (H200, 4 x 2048 causal, D=128: the unified kernel 596 us, a
     textbook paged kernel of this shape 418 us; benchmarks/NOTES.md section 11.)
+    ``REVERSE_BLOCKS``: program ``i`` takes query block ``n - 1 - i``, so a sequence's blocks with
+    the most keys (its last) start first and the grid's last wave holds short ones (a causal
+    prompt's blocks differ in work up to ``q_len / TILE_N``-fold). ``HEADS_FASTEST``: a query
+    block's KV-head programs launch together (they read the same cache pages).
     """
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:
+        kv_head = tl.program_id(0)
+        pid = tl.program_id(1)
+        num_blocks = tl.num_programs(1)
+    else:
+        pid = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_blocks = tl.num_programs(0)
+    if REVERSE_BLOCKS:
+        pid = num_blocks - 1 - pid
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
