@@ -64,6 +64,26 @@ def test_one_row_runs_the_fused_kernel_and_matches_float64(n, k, dtype, monkeypa
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_one_row_of_a_wide_weight_takes_the_wide_launch_and_matches_float64(dtype, monkeypatch):
+    """A gate/up-wide weight (>= 8192 rows, no RoPE) streams in 32-row programs with 512-byte K
+    steps and 2 warps; a ragged last program and a K that ends mid-step."""
+    from paged_ops.backends import triton_norm_linear_kernels as kernels
+
+    assert kernels.gemv_launch(16384, rope=False) == kernels.WIDE_GEMV
+    assert kernels.gemv_launch(16384, rope=True) == kernels.gemv_launch(3072, rope=False)
+    assert kernels.gemv_launch(3072, rope=False) == kernels.NARROW_GEMV != kernels.WIDE_GEMV
+    chosen = []
+    pick = kernels.gemv_launch
+    monkeypatch.setattr(kernels, "gemv_launch", lambda *a: chosen.append(pick(*a)) or chosen[-1])
+    n, k = kernels.WIDE_GEMV_MIN_N + 40, 72
+    x, residual, norm_weight, weight = make((1, k), n, dtype, seed=3)
+    out, h = add_rms_norm_linear(x, residual, norm_weight, EPS, weight)
+    assert chosen == [kernels.WIDE_GEMV]
+    assert_matches(out, h, x, residual, norm_weight, weight)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("m", [2, 5, 17])
 def test_several_rows_run_add_norm_then_the_projection(m, dtype, monkeypatch):
     from paged_ops.backends import triton_norm_linear_kernels as kernels

@@ -199,7 +199,11 @@ def launch_config(
     or ALiBi; on an FP8 cache only the long-prompt steps) with D <= 128 run the prefill kernel
     (masks only on the diagonal tiles, unpredicated loads): 64 x 64 tiles and 4 warps, or 128 x 128 and 8 warps when the step
     averages >= 1024 tokens per sequence; 2 stages (H200 sweep, benchmarks/NOTES.md section 11:
-    4 x 2048 D=128 596 -> 409 us, 1 x 8192 2,331 -> 1,339 us).
+    4 x 2048 D=128 596 -> 409 us, 1 x 8192 2,331 -> 1,339 us). Its grid puts the KV heads first
+    and the query blocks last first, so a causal prompt's longest blocks start first and the
+    last wave is of short ones (H200, D=128, NOTES.md section 44: 4 x 2048 467 -> 446 us, 16 x
+    512 183 -> 170, 1 x 8192 1,540 -> 1,507; a mixed step of 4 x 512 chunks and 64 decodes at
+    4096 583 -> 501).
     """
     group = num_q_heads // num_kv_heads
     decode_like = num_tokens <= 2 * num_seqs
@@ -256,12 +260,14 @@ def launch_config(
     if plain_causal and not decode_like and d_pad <= 128 and num_segments == 1:
         if num_tokens >= 1024 * num_seqs:  # long prompts: 128 x 128 tiles, 8 warps
             wide = max(128, _next_power_of_2(group))
-            return LaunchConfig(wide, wide // group, 128, 1, 8, 2, kernel="prefill")
+            return LaunchConfig(wide, wide // group, 128, 1, 8, 2, kernel="prefill",
+                                heads_fastest=1, reverse_blocks=1)  # fmt: skip
         # An FP8 cache takes the prefill kernel for long prompts only: measured 1.24-1.32x faster
         # than the unified kernel there (H100, 4 x 2048 and 1 x 8192); short-prompt steps were not
         # measured apart, and one end-to-end run at 256 x 128 read 0.95x (NOTES.md section 10).
         if not fp8_cache:
-            return LaunchConfig(block_m, block_q, 64, 1, 4, 2, kernel="prefill")
+            return LaunchConfig(block_m, block_q, 64, 1, 4, 2, kernel="prefill",
+                                heads_fastest=1, reverse_blocks=1)  # fmt: skip
     # Decode: a query block's KV-head programs launch together, so they read the same KV pages
     # at the same time (H100, one run each: bf16 D=64 64 x 4096 194.0 -> 183.8 us, FP8 D=64
     # 111.4 -> 108.9, D=128 0-1.4% faster, one row 0.7% slower; NOTES.md section 10)

@@ -32,6 +32,8 @@ normalised row to the dtype before ``* g`` and the matmul) by that rounding: bfl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -176,6 +178,31 @@ def reduce_add_rms_norm_kernel(
 GEMV_BLOCK_N = 8  # rows of W per program (small_linear's one-row FMA choice)
 GEMV_TILE_BYTES = 1024  # bytes of each W row per K step
 GEMV_STAGES = 3
+WIDE_GEMV_MIN_N = 8192  # from this width (no RoPE): WIDE_GEMV's launch
+
+
+@dataclass(frozen=True, slots=True)
+class GemvLaunch:
+    """Launch choices of :func:`add_rms_norm_gemv`: rows of ``W`` per program, bytes of each row
+    per K step, pipeline stages, warps."""
+
+    block_n: int
+    tile_bytes: int
+    stages: int
+    warps: int
+
+
+NARROW_GEMV = GemvLaunch(GEMV_BLOCK_N, GEMV_TILE_BYTES, GEMV_STAGES, 4)
+# A gated MLP's gate/up (the 1B's 16384 x 2048): 32-row programs with 512-byte steps and 2 warps
+# stream it in 17.8-17.9 us against 18.7-18.9 with NARROW_GEMV, in the b=1 decode graph (H200,
+# benchmarks/NOTES.md section 44; section 28's sweep of the kernel alone found the same pair best).
+# The q/k/v GEMV (3072 rows, RoPE) keeps NARROW_GEMV: section 28's sweep had it best there.
+WIDE_GEMV = GemvLaunch(32, 512, 3, 2)
+
+
+def gemv_launch(n: int, rope: bool) -> GemvLaunch:
+    """The one-row norm-GEMV's launch for an ``[N, K]`` weight (``rope``: the rotating q/k/v)."""
+    return WIDE_GEMV if n >= WIDE_GEMV_MIN_N and not rope else NARROW_GEMV
 
 
 def add_rms_norm_gemv(
@@ -192,17 +219,18 @@ def add_rms_norm_gemv(
     head. Shapes, dtypes and strides are the caller's to check (``paged_ops.norm_linear``)."""
     k = x.shape[1]
     n = weight.shape[0]
-    block_k = min(GEMV_TILE_BYTES // x.element_size(), next_power_of_2(k))
+    launch = gemv_launch(n, rope is not None)
+    block_k = min(launch.tile_bytes // x.element_size(), next_power_of_2(k))
     out = x.new_empty((1, n))  # [1, N]
     h = x.new_empty((1, k))  # [1, K]
     cos, sin, rope_cols = rope if rope is not None else (x, x, 0)
-    grid = (cdiv(n, GEMV_BLOCK_N),)
+    grid = (cdiv(n, launch.block_n),)
     launcher(add_rms_norm_gemv_kernel)[grid](
         x, residual, norm_weight, weight, out, h, cos, sin, n, k, weight.stride(0), eps,
-        rope_cols, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        NUM_STAGES=GEMV_STAGES, ROPE=rope is not None,
+        rope_cols, BLOCK_N=launch.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        NUM_STAGES=launch.stages, ROPE=rope is not None,
         HEAD_DIM=cos.shape[-1] if rope is not None else GEMV_BLOCK_N,
-        num_warps=4, num_stages=GEMV_STAGES,
+        num_warps=launch.warps, num_stages=launch.stages,
     )  # fmt: skip
     return out, h
 
