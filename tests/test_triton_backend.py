@@ -347,6 +347,9 @@ def test_prefill_kernel_grid_orders_give_the_same_output(field):
             max_kv_len=2048, num_sms=132, plain_causal=True,
         )  # fmt: skip
         assert (chosen.kernel, chosen.heads_fastest, chosen.reverse_blocks) == ("prefill", 1, 1)
+    unified = dataclasses.replace(cfg, kernel="unified", reverse_blocks=1)
+    with pytest.raises(ValueError, match="reverse_blocks=1 orders the prefill kernel's grid only"):
+        run_triton(batch, config=unified)
 
 
 def assert_program_order_is_invisible(batch, cfg, field: str) -> None:

@@ -406,6 +406,8 @@ def paged_attention(
             f"{cfg}: kv_heads must divide num_kv_heads={num_kv_heads} (and be 1 for the "
             "prefill kernel)"
         )
+    if cfg.reverse_blocks and cfg.kernel != "prefill":
+        raise ValueError(f"{cfg}: reverse_blocks=1 orders the prefill kernel's grid only")
     rows_per_token = group * cfg.kv_heads
     if cfg.block_q < 1 or cfg.block_q * rows_per_token > cfg.block_m:
         raise ValueError(
