@@ -181,6 +181,7 @@ def launch_config(
     num_segments: int | None = None,
     fp8_cache: bool = False,
     plain_causal: bool = False,
+    query_bytes: int = 2,
 ) -> LaunchConfig:
     """Pick tiles and split-KV from the step's shapes (``T``, ``S``) and the block-table capacity.
 
@@ -203,7 +204,9 @@ def launch_config(
     and the query blocks last first, so a causal prompt's longest blocks start first and the
     last wave is of short ones (H200, D=128, NOTES.md section 44: 4 x 2048 467 -> 446 us, 16 x
     512 183 -> 170, 1 x 8192 1,540 -> 1,507; a mixed step of 4 x 512 chunks and 64 decodes at
-    4096 583 -> 501).
+    4096 583 -> 501). With that order the long-prompt launch of 16-bit queries on a 16-bit
+    cache takes 3 stages (4 x 2048 446 -> 429 us, 1 x 8192 1,513 -> 1,456; same output).
+    ``query_bytes``: the query's element size (the 3-stage pipeline's shared memory is sized for 2).
     """
     group = num_q_heads // num_kv_heads
     decode_like = num_tokens <= 2 * num_seqs
@@ -260,7 +263,9 @@ def launch_config(
     if plain_causal and not decode_like and d_pad <= 128 and num_segments == 1:
         if num_tokens >= 1024 * num_seqs:  # long prompts: 128 x 128 tiles, 8 warps
             wide = max(128, _next_power_of_2(group))
-            return LaunchConfig(wide, wide // group, 128, 1, 8, 2, kernel="prefill",
+            # 3 stages of 128 x 128 16-bit K and V tiles + the Q tile: 224 KiB of the 227
+            stages = 3 if wide == 128 and query_bytes == 2 and not fp8_cache else 2
+            return LaunchConfig(wide, wide // group, 128, 1, 8, stages, kernel="prefill",
                                 heads_fastest=1, reverse_blocks=1)  # fmt: skip
         # An FP8 cache takes the prefill kernel for long prompts only: measured 1.24-1.32x faster
         # than the unified kernel there (H100, 4 x 2048 and 1 x 8192); short-prompt steps were not
@@ -300,6 +305,7 @@ def layer_launch_config(
             num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=spec.num_q_heads,
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, max_kv_len=max_kv_len,
             num_sms=num_sms, fp8_cache=fp8_cache, plain_causal=plain_causal,
+            query_bytes=spec.dtype.itemsize,
         )  # fmt: skip
 
     return config_of
@@ -393,6 +399,7 @@ def paged_attention(
         num_segments=num_segments,
         fp8_cache=fp8_cache,
         plain_causal=plain_causal,
+        query_bytes=query.element_size(),
     )
     group = num_q_heads // num_kv_heads
     if cfg.kernel not in KERNELS:
