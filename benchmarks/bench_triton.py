@@ -108,6 +108,7 @@ def default_config(args, plain_causal: bool = False) -> tb.LaunchConfig:
         num_tokens=query.shape[0], num_seqs=lens.shape[0], num_q_heads=HQ, num_kv_heads=HKV,
         head_dim=D, max_kv_len=table.shape[1] * BLOCK, num_sms=tb._num_sms(query.device),
         fp8_cache=cache.element_size() == 1, plain_causal=plain_causal,
+        shared_memory=tb._shared_memory(query.device),
     )  # fmt: skip
 
 

@@ -341,17 +341,22 @@ def test_prefill_kernel_grid_orders_give_the_same_output(field):
     assert_program_order_is_invisible(batch, cfg, field)
     both = run_triton(batch, config=dataclasses.replace(cfg, heads_fastest=1, reverse_blocks=1))
     assert torch.equal(both, run_triton(batch, config=cfg))
+    hopper = 227 * 1024  # bytes of shared memory a program may use on an H100/H200
     for tokens in (1024, 8192):  # both of the rule's prefill launches take both orders
         chosen = triton_backend.launch_config(
             num_tokens=tokens, num_seqs=4, num_q_heads=32, num_kv_heads=8, head_dim=128,
-            max_kv_len=2048, num_sms=132, plain_causal=True,
+            max_kv_len=2048, num_sms=132, plain_causal=True, shared_memory=hopper,
         )  # fmt: skip
         assert (chosen.kernel, chosen.heads_fastest, chosen.reverse_blocks) == ("prefill", 1, 1)
         assert chosen.num_stages == (3 if tokens == 8192 else 2)  # long prompts: 3
     long_prompts = dict(num_tokens=8192, num_seqs=4, num_q_heads=32, num_kv_heads=8,
                         head_dim=128, max_kv_len=2048, num_sms=132, plain_causal=True)  # fmt: skip
-    for other in (dict(query_bytes=4), dict(fp8_cache=True)):  # too big / not measured: 2
-        assert triton_backend.launch_config(**long_prompts, **other).num_stages == 2
+    # fp32 queries, an FP8 cache (not measured), an A100's 163 KiB, no GPU: 2 stages
+    for other in (dict(query_bytes=4, shared_memory=hopper), dict(fp8_cache=True, shared_memory=hopper),
+                  dict(shared_memory=163 * 1024), {}):  # fmt: skip
+        assert triton_backend.launch_config(**long_prompts, **other).num_stages == 2, other
+    at_d64 = dict(long_prompts, head_dim=64, shared_memory=163 * 1024)  # 112 KiB: fits
+    assert triton_backend.launch_config(**at_d64).num_stages == 3
     unified = dataclasses.replace(cfg, kernel="unified", reverse_blocks=1)
     with pytest.raises(ValueError, match="reverse_blocks=1 orders the prefill kernel's grid only"):
         run_triton(batch, config=unified)

@@ -169,6 +169,15 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may opt in to on ``device`` (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
+
+
 def launch_config(
     *,
     num_tokens: int,
@@ -182,6 +191,7 @@ def launch_config(
     fp8_cache: bool = False,
     plain_causal: bool = False,
     query_bytes: int = 2,
+    shared_memory: int = 0,
 ) -> LaunchConfig:
     """Pick tiles and split-KV from the step's shapes (``T``, ``S``) and the block-table capacity.
 
@@ -205,8 +215,9 @@ def launch_config(
     last wave is of short ones (H200, D=128, NOTES.md section 44: 4 x 2048 467 -> 446 us, 16 x
     512 183 -> 170, 1 x 8192 1,540 -> 1,507; a mixed step of 4 x 512 chunks and 64 decodes at
     4096 583 -> 501). With that order the long-prompt launch of 16-bit queries on a 16-bit
-    cache takes 3 stages (4 x 2048 446 -> 429 us, 1 x 8192 1,513 -> 1,456; same output).
-    ``query_bytes``: the query's element size (the 3-stage pipeline's shared memory is sized for 2).
+    cache takes 3 stages where its tiles fit the GPU's ``shared_memory`` (bytes a program may
+    use; Hopper's 227 KiB at D=128: 4 x 2048 446 -> 429 us, 1 x 8192 1,513 -> 1,456; same
+    output); ``query_bytes`` is the query's element size, 0 ``shared_memory`` keeps 2 stages.
     """
     group = num_q_heads // num_kv_heads
     decode_like = num_tokens <= 2 * num_seqs
@@ -263,8 +274,9 @@ def launch_config(
     if plain_causal and not decode_like and d_pad <= 128 and num_segments == 1:
         if num_tokens >= 1024 * num_seqs:  # long prompts: 128 x 128 tiles, 8 warps
             wide = max(128, _next_power_of_2(group))
-            # 3 stages of 128 x 128 16-bit K and V tiles + the Q tile: 224 KiB of the 227
-            stages = 3 if wide == 128 and query_bytes == 2 and not fp8_cache else 2
+            # the Q tile and 3 stages of K and V tiles, 16-bit: 224 KiB at D=128 (Hopper: 227)
+            deep = (wide + 3 * 2 * 128) * d_pad * 2 <= shared_memory
+            stages = 3 if deep and query_bytes == 2 and not fp8_cache else 2
             return LaunchConfig(wide, wide // group, 128, 1, 8, stages, kernel="prefill",
                                 heads_fastest=1, reverse_blocks=1)  # fmt: skip
         # An FP8 cache takes the prefill kernel for long prompts only: measured 1.24-1.32x faster
@@ -286,11 +298,12 @@ def launch_config(
 
 
 def layer_launch_config(
-    spec: LayerSpec, max_kv_len: int, num_sms: int
+    spec: LayerSpec, max_kv_len: int, num_sms: int, shared_memory: int = 0
 ) -> Callable[[int, int], LaunchConfig]:
     """``(T, S) -> LaunchConfig``: what :func:`paged_attention` picks for a layer of ``spec`` in
     a step of ``T`` tokens and ``S`` sequences, with a block table of ``max_kv_len`` positions on
-    a GPU of ``num_sms`` SMs (each distinct result is a kernel variant to compile)."""
+    a GPU of ``num_sms`` SMs and ``shared_memory`` bytes per program (``_shared_memory``; each
+    distinct result is a kernel variant to compile)."""
     plain_causal = (
         spec.causal
         and not (spec.sliding_window or 0) > 0
@@ -305,7 +318,7 @@ def layer_launch_config(
             num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=spec.num_q_heads,
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, max_kv_len=max_kv_len,
             num_sms=num_sms, fp8_cache=fp8_cache, plain_causal=plain_causal,
-            query_bytes=spec.dtype.itemsize,
+            query_bytes=spec.dtype.itemsize, shared_memory=shared_memory,
         )  # fmt: skip
 
     return config_of
@@ -400,6 +413,7 @@ def paged_attention(
         fp8_cache=fp8_cache,
         plain_causal=plain_causal,
         query_bytes=query.element_size(),
+        shared_memory=_shared_memory(query.device),
     )
     group = num_q_heads // num_kv_heads
     if cfg.kernel not in KERNELS:

@@ -754,7 +754,9 @@ class ModelRunner:
             for layer, spec in enumerate(self.pa.layer_specs)
         )
         for spec, writes_decode_kv in kinds:  # each layer kind once
-            config_of = triton_backend.layer_launch_config(spec, max_kv_len, num_sms)
+            config_of = triton_backend.layer_launch_config(
+                spec, max_kv_len, num_sms, triton_backend._shared_memory(self.device)
+            )
             variant = step_variant(config_of, writes_decode_kv)
             met = {variant(t, s) for t, s in met_steps}
             reachable = reachable_configs(

@@ -92,7 +92,9 @@ def _steps_per_variant(pa: PagedAttention, steps: Sequence[Step]) -> list[tuple[
     for layer, spec in enumerate(pa.layer_specs):
         if not any(names[layer] == "triton" for names in table.values()):
             continue
-        config_of = triton_backend.layer_launch_config(spec, max_kv_len, num_sms)
+        config_of = triton_backend.layer_launch_config(
+            spec, max_kv_len, num_sms, triton_backend._shared_memory(pa.kv_cache.device)
+        )
         variant = step_variant(config_of, pa.attention_writes_decode_kv(layer))
         for step in steps:
             key = (spec, variant(*step))
