@@ -92,6 +92,7 @@ def test_the_warm_up_meets_every_configuration_its_steps_can_pick(monkeypatch):
     runner = llm.runner
     monkeypatch.setattr(runner, "device", torch.device("cuda"))  # the GPU's list (nothing runs)
     monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_backend, "_shared_memory", lambda device: 227 * 1024)  # Hopper's
     monkeypatch.setattr(llm.pa, "attention_writes_decode_kv", lambda layer: True)  # as triton's
     shapes = runner._warm_up_shapes()
     base = warm_up_shapes(16, 128, on_gpu=True)
