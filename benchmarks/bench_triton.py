@@ -56,6 +56,12 @@ def make_step(q_lens: list[int], kv_lens: list[int], dtype=torch.bfloat16, seed:
     return query, cache, cu, lens, table
 
 
+def causal_flops(prompts: int, length: int) -> float:
+    """FLOPs of causal attention over ``prompts`` prompts of ``length`` tokens (4 * Hq * D per
+    visible query-key pair)."""
+    return 4 * HQ * D * prompts * length * (length + 1) / 2
+
+
 def time_graph(fn, calls: int, replays: int = 7) -> float:
     """Seconds per call: CUDA graph of ``calls`` calls, median over replays."""
     side = torch.cuda.Stream()
@@ -165,7 +171,7 @@ def compare_rows(
         q_len = ctx if prefill else 1
         args = make_step([q_len] * batch, [ctx] * batch)
         kv_bytes = batch * ctx * 2 * HKV * D * KV_DTYPE.itemsize
-        flops = 4 * HQ * D * batch * ctx * (ctx + 1) / 2 if prefill else 0
+        flops = causal_flops(batch, ctx) if prefill else 0
         default = default_config(args, plain_causal=prefill)
         cfgs = [
             dataclasses.replace(default, **(tb.parse_launch_overrides(sp) if sp else {}))
@@ -226,7 +232,7 @@ def prefill_rows(calls: int, with_unified: bool = False) -> list[dict]:
     rows = []
     for n, length in PREFILL:
         args = make_step([length] * n, [length] * n)
-        flops = 4 * HQ * D * n * length * (length + 1) / 2
+        flops = causal_flops(n, length)
         modes = [("auto", None)] + ([("unified", default_config(args))] if with_unified else [])
         for label, cfg in modes:
             sec = time_graph(attention(args, config=cfg), calls)

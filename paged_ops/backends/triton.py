@@ -178,6 +178,17 @@ def _shared_memory(device: torch.device) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
 
 
+def _query_grid(
+    cfg: LaunchConfig, num_tokens: int, num_seqs: int, head_programs: int
+) -> tuple[tuple[int, int], bool]:
+    """The attention grid's first two axes, (query blocks, head programs) or, where
+    ``cfg.heads_fastest`` asks and the grid's y limit allows, (head programs, query blocks); and
+    whether heads come first (the kernels' ``HEADS_FASTEST``)."""
+    blocks = num_tokens // cfg.block_q + num_seqs + 1
+    heads_first = bool(cfg.heads_fastest) and blocks <= 65535  # (a grid's y limit)
+    return ((head_programs, blocks) if heads_first else (blocks, head_programs)), heads_first
+
+
 def launch_config(
     *,
     num_tokens: int,
@@ -500,9 +511,7 @@ def paged_attention(
             )
         if cfg.num_segments != 1:
             raise ValueError(f"{cfg} (kernel='prefill') takes one segment")
-        blocks = num_tokens // cfg.block_q + num_seqs + 1
-        heads_fastest = bool(cfg.heads_fastest) and blocks <= 65535  # (a grid's y limit)
-        grid = (num_kv_heads, blocks) if heads_fastest else (blocks, num_kv_heads)
+        grid, heads_fastest = _query_grid(cfg, num_tokens, num_seqs, num_kv_heads)
         launcher(kernels.prefill_attention_kernel)[grid](
             out,
             query,
@@ -547,10 +556,8 @@ def paged_attention(
         target = part_acc
     else:
         part_m = part_l = target = out
-    blocks, head_programs = num_tokens // cfg.block_q + num_seqs + 1, num_kv_heads // cfg.kv_heads
-    heads_fastest = bool(cfg.heads_fastest) and blocks <= 65535  # (a grid's y limit)
-    grid = (head_programs, blocks, nseg) if heads_fastest else (blocks, head_programs, nseg)
-    launcher(kernels.paged_attention_kernel)[grid](
+    axes, heads_fastest = _query_grid(cfg, num_tokens, num_seqs, num_kv_heads // cfg.kv_heads)
+    launcher(kernels.paged_attention_kernel)[(*axes, nseg)](
         target,
         part_m,
         part_l,

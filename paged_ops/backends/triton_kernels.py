@@ -270,6 +270,25 @@ def _find_seq(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr, PLUS_S: tl.conste
 
 
 @triton.jit
+def _grid_position(HEADS_FASTEST: tl.constexpr, REVERSE_BLOCKS: tl.constexpr = False):
+    """This program's query block and head program. The grid's first two axes are (query blocks,
+    head programs), or with ``HEADS_FASTEST`` (head programs, query blocks): a query block's head
+    programs then launch together and read the same cache pages. ``REVERSE_BLOCKS``: program
+    ``i`` takes query block ``n - 1 - i`` (a causal prompt's blocks with the most keys first)."""
+    if HEADS_FASTEST:
+        block = tl.program_id(1)
+        head_prog = tl.program_id(0)
+        num_blocks = tl.num_programs(1)
+    else:
+        block = tl.program_id(0)
+        head_prog = tl.program_id(1)
+        num_blocks = tl.num_programs(0)
+    if REVERSE_BLOCKS:
+        block = num_blocks - 1 - block
+    return block, head_prog
+
+
+@triton.jit
 def _spare_program(
     out_ptr, cu_ptr, pid, num_seqs, num_tokens, head, offs_m, offs_d, d_mask, stride_ot,
     stride_oh, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -460,12 +479,7 @@ def paged_attention_kernel(
     WRITE_KV: tl.constexpr = False,  # decode steps (one query per sequence): write its K/V here
     ROPE: tl.constexpr = False,  # WRITE_KV: rotate the query rows and the written K (rotate-half)
 ):
-    if HEADS_FASTEST:  # programs of one query block's heads run together (they read the same pages)
-        pid = tl.program_id(1)
-        head_prog = tl.program_id(0)
-    else:
-        pid = tl.program_id(0)
-        head_prog = tl.program_id(1)
+    pid, head_prog = _grid_position(HEADS_FASTEST)
     kv_head = head_prog * KV_HEADS  # the program's first KV head
     segment = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
@@ -752,21 +766,11 @@ def prefill_attention_kernel(
     row of the block sees whole (at or before the first row's position) skip the causal mask; only
     the last ones (the diagonal, the end of the KV) apply it. V is loaded after the softmax. (H200, 4 x 2048 causal, D=128: the unified kernel 596 us, a
     textbook paged kernel of this shape 418 us; benchmarks/NOTES.md section 11.)
-    ``REVERSE_BLOCKS``: program ``i`` takes query block ``n - 1 - i``, so a sequence's blocks with
-    the most keys (its last) start first and the grid's last wave holds short ones (a causal
-    prompt's blocks differ in work up to ``q_len / TILE_N``-fold). ``HEADS_FASTEST``: a query
-    block's KV-head programs launch together (they read the same cache pages).
+    ``REVERSE_BLOCKS``: a sequence's blocks with the most keys (its last) start first and the
+    grid's last wave holds short ones (a causal prompt's blocks differ in work up to
+    ``q_len / TILE_N``-fold); ``HEADS_FASTEST``: see :func:`_grid_position`.
     """
-    if HEADS_FASTEST:
-        kv_head = tl.program_id(0)
-        pid = tl.program_id(1)
-        num_blocks = tl.num_programs(1)
-    else:
-        pid = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        num_blocks = tl.num_programs(0)
-    if REVERSE_BLOCKS:
-        pid = num_blocks - 1 - pid
+    pid, kv_head = _grid_position(HEADS_FASTEST, REVERSE_BLOCKS)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
